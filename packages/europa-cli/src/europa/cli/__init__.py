@@ -1,0 +1,1 @@
+"""The ``europa`` command line."""

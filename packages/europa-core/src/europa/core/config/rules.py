@@ -1,0 +1,67 @@
+"""Checks that involve more than one key. Each names the offending key, its
+value and the bound another key sets."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from europa.core.config.values import fail
+
+if TYPE_CHECKING:
+    from europa.core.config.schema import EuropaConfig
+
+
+def check_cross_field_rules(config: EuropaConfig) -> None:
+    _check_model(config)
+    m, t, p = config.model, config.training, config.parallel
+    if m.num_experts % p.ep:
+        raise fail("parallel.ep", p.ep, f"a divisor of model.num_experts ({m.num_experts})")
+    if p.dp_shard == 0:
+        raise fail("parallel.dp_shard", p.dp_shard, "-1 (all remaining ranks) or an integer > 0")
+    if t.seq_len > m.max_seq_len:
+        raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
+
+
+def _check_model(config: EuropaConfig) -> None:
+    m = config.model
+    if m.top_k > m.num_experts:
+        raise fail("model.top_k", m.top_k, f"at most model.num_experts ({m.num_experts})")
+    if m.n_dense_layers >= m.n_layers:
+        raise fail(
+            "model.n_dense_layers",
+            m.n_dense_layers,
+            f"less than model.n_layers ({m.n_layers}) so that at least one layer is MoE",
+        )
+    if m.num_expert_groups == 0:
+        if m.num_limited_groups:
+            raise fail(
+                "model.num_limited_groups",
+                m.num_limited_groups,
+                "0 when model.num_expert_groups is 0",
+            )
+        return
+    if m.num_experts % m.num_expert_groups:
+        raise fail(
+            "model.num_expert_groups",
+            m.num_expert_groups,
+            f"a divisor of model.num_experts ({m.num_experts})",
+        )
+    if m.num_experts // m.num_expert_groups < 2:
+        raise fail(
+            "model.num_expert_groups",
+            m.num_expert_groups,
+            f"at most model.num_experts / 2 ({m.num_experts // 2}): each group needs 2 experts",
+        )
+    if not 1 <= m.num_limited_groups <= m.num_expert_groups:
+        raise fail(
+            "model.num_limited_groups",
+            m.num_limited_groups,
+            f"between 1 and model.num_expert_groups ({m.num_expert_groups})",
+        )
+    reachable = m.num_limited_groups * (m.num_experts // m.num_expert_groups)
+    if m.top_k > reachable:
+        raise fail(
+            "model.top_k",
+            m.top_k,
+            f"at most the {reachable} experts the {m.num_limited_groups} limited groups hold",
+        )

@@ -1,0 +1,150 @@
+"""The core config tables. Plugins add their own tables through the
+``europa_config_sections`` hook; this file only knows europa-core's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from europa.core.config.fields import ConfigSection, setting
+
+
+@dataclass(kw_only=True)
+class RunConfig:
+    name: str = setting("europa", doc="run name; the default run directory is runs/<name>-<time>")
+    seed: int = setting(0, ge=0, doc="seed for initialisation and data order")
+
+
+@dataclass(kw_only=True)
+class ModelConfig:
+    """A DeepSeek-V3 / Kimi-K2 style MoE decoder (MLA attention, shared + routed experts)."""
+
+    vocab_size: int = setting(gt=0)
+    dim: int = setting(gt=0)
+    n_layers: int = setting(gt=0)
+    n_dense_layers: int = setting(ge=0, doc="the first n layers use a dense FFN instead of MoE")
+    n_heads: int = setting(gt=0)
+    q_lora_rank: int = setting(ge=0, doc="0: full-rank query projection")
+    kv_lora_rank: int = setting(gt=0)
+    qk_nope_head_dim: int = setting(gt=0)
+    qk_rope_head_dim: int = setting(gt=0)
+    v_head_dim: int = setting(gt=0)
+    dense_hidden_dim: int = setting(gt=0)
+    moe_hidden_dim: int = setting(gt=0)
+    num_experts: int = setting(gt=0)
+    num_shared_experts: int = setting(ge=0)
+    top_k: int = setting(gt=0)
+    score_func: str = setting("sigmoid", choices=("sigmoid", "softmax"))
+    route_norm: bool = setting(True, doc="renormalise the top-k scores to sum to one")
+    route_scale: float = setting(1.0, gt=0)
+    num_expert_groups: int = setting(0, ge=0, doc="0: no group-limited routing")
+    num_limited_groups: int = setting(0, ge=0)
+    load_balance_coeff: float = setting(
+        1e-3, ge=0, doc="step of the auxiliary-loss-free expert bias; 0 disables it"
+    )
+    max_seq_len: int = setting(gt=0)
+    rope_theta: float = setting(10000.0, gt=0)
+    rope_factor: float = setting(1.0, ge=1, doc="YaRN context extension factor; 1 disables it")
+    rope_original_seq_len: int = setting(4096, gt=0)
+    mscale: float = setting(1.0, gt=0, doc="YaRN attention-scale multiplier")
+
+
+@dataclass(kw_only=True)
+class TrainingConfig:
+    steps: int = setting(gt=0)
+    batch_size: int = setting(gt=0, doc="sequences per rank per micro-batch")
+    seq_len: int = setting(gt=0)
+    grad_accum_steps: int = setting(1, gt=0)
+    max_grad_norm: float = setting(1.0, ge=0, doc="0 disables clipping")
+    dtype: str = setting("float32", choices=("float32", "bfloat16"))
+    deterministic: bool = setting(True, doc="deterministic torch algorithms")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    name: str = setting("adamw", choices=("adamw", "muon"))
+    lr: float = setting(3e-3, gt=0)
+    weight_decay: float = setting(0.1, ge=0)
+    beta1: float = setting(0.9, ge=0, le=1)
+    beta2: float = setting(0.95, ge=0, le=1)
+    eps: float = setting(1e-8, gt=0)
+    muon_momentum: float = setting(0.95, ge=0, le=1)
+    muon_ns_steps: int = setting(5, gt=0)
+
+
+@dataclass(kw_only=True)
+class LRScheduleConfig:
+    warmup_steps: int = setting(0, ge=0)
+    min_lr_ratio: float = setting(0.1, ge=0, le=1, doc="cosine decays to lr × this")
+
+
+@dataclass(kw_only=True)
+class ParallelConfig:
+    nproc: int = setting(1, gt=0, doc="local worker processes when not under torchrun/SLURM")
+    dp_replicate: int = setting(1, gt=0)
+    dp_shard: int = setting(-1, ge=-1, doc="-1: every rank not used by other axes")
+    ep: int = setting(1, gt=0, doc="expert-parallel degree")
+    backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
+    device: str = setting("auto", choices=("auto", "cpu", "cuda"))
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    path: str = setting("", doc="a .txt/.jsonl file or a folder of them; empty: embedded corpus")
+    tokenizer: str = setting("", doc="a tokenizers JSON file; empty: embedded tokenizer")
+    seed: int = setting(0, ge=0, doc="shuffling seed")
+
+
+@dataclass(kw_only=True)
+class CheckpointConfig:
+    every: int = setting(0, ge=0, doc="save every N steps; 0: only at the end")
+    keep: int = setting(0, ge=0, doc="keep the newest N checkpoints; 0 keeps all")
+
+
+@dataclass(kw_only=True)
+class MetricsConfig:
+    log_every: int = setting(1, gt=0)
+    progress: bool = setting(True, doc="progress bar on rank 0")
+
+
+@dataclass(kw_only=True)
+class PluginsConfig:
+    enabled: list[str] = setting([], doc="technique plugins to switch on, by name")
+
+
+CORE_SECTIONS: tuple[ConfigSection, ...] = (
+    ConfigSection("run", RunConfig),
+    ConfigSection("model", ModelConfig),
+    ConfigSection("training", TrainingConfig),
+    ConfigSection("optimizer", OptimizerConfig),
+    ConfigSection("lr_schedule", LRScheduleConfig),
+    ConfigSection("parallel", ParallelConfig),
+    ConfigSection("data", DataConfig),
+    ConfigSection("checkpoint", CheckpointConfig),
+    ConfigSection("metrics", MetricsConfig),
+    ConfigSection("plugins", PluginsConfig),
+)
+
+
+@dataclass(kw_only=True)
+class EuropaConfig:
+    """The resolved config: every table typed and checked."""
+
+    preset: str
+    run: RunConfig
+    model: ModelConfig
+    training: TrainingConfig
+    optimizer: OptimizerConfig
+    lr_schedule: LRScheduleConfig
+    parallel: ParallelConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    metrics: MetricsConfig
+    plugins: PluginsConfig
+    extensions: dict[str, Any] = field(default_factory=dict)
+
+    def section(self, name: str) -> Any:
+        """Any table by name, core or plugin."""
+        if name in self.extensions:
+            return self.extensions[name]
+        return getattr(self, name)

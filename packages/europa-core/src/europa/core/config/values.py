@@ -1,0 +1,97 @@
+"""Type checking of single TOML values against a dataclass field, with the
+one-line wording every config error shares: ``key = value: expected ...``."""
+
+from __future__ import annotations
+
+import json
+import typing
+from dataclasses import Field
+from typing import Any
+
+from europa.core.config.fields import Bounds, bounds_of
+from europa.core.errors import ConfigError
+
+
+def show(value: Any) -> str:
+    """A value as it would be written in TOML."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | list | dict):
+        return json.dumps(value)
+    return repr(value)
+
+
+def fail(key: str, value: Any, expected: str) -> ConfigError:
+    return ConfigError(f"{key} = {show(value)}: expected {expected}")
+
+
+def _type_word(annotation: Any) -> str:
+    if annotation is bool:
+        return "true or false"
+    if annotation is int:
+        return "an integer"
+    if annotation is float:
+        return "a number"
+    if annotation is str:
+        return "a string"
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return f"a list of {_type_word(item).removeprefix('a ').removeprefix('an ')}s"
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+def _bounds_words(bounds: Bounds) -> str:
+    parts = []
+    if bounds.ge is not None and bounds.le is not None:
+        return f" between {show(bounds.ge)} and {show(bounds.le)}"
+    if bounds.ge is not None:
+        parts.append(f">= {show(bounds.ge)}")
+    if bounds.gt is not None:
+        parts.append(f"> {show(bounds.gt)}")
+    if bounds.le is not None:
+        parts.append(f"<= {show(bounds.le)}")
+    return (" " + " and ".join(parts)) if parts else ""
+
+
+def describe(annotation: Any, field: Field) -> str:
+    """What a field accepts, in words: 'an integer > 0', 'one of "adamw", "muon"'."""
+    bounds = bounds_of(field)
+    if bounds.choices is not None:
+        return "one of " + ", ".join(show(choice) for choice in bounds.choices)
+    return _type_word(annotation) + _bounds_words(bounds)
+
+
+def _matches_type(annotation: Any, value: Any) -> bool:
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_matches_type(item, v) for v in value)
+    raise TypeError(f"unsupported config annotation {annotation!r}")
+
+
+def _within_bounds(bounds: Bounds, value: Any) -> bool:
+    if bounds.choices is not None and value not in bounds.choices:
+        return False
+    if bounds.ge is not None and value < bounds.ge:
+        return False
+    if bounds.gt is not None and value <= bounds.gt:
+        return False
+    return not (bounds.le is not None and value > bounds.le)
+
+
+def coerce(key: str, annotation: Any, field: Field, value: Any) -> Any:
+    """Check one value; return it in the field's Python type or raise ConfigError."""
+    if not _matches_type(annotation, value) or not _within_bounds(bounds_of(field), value):
+        raise fail(key, value, describe(annotation, field))
+    if annotation is float:
+        return float(value)
+    if typing.get_origin(annotation) is list:
+        return list(value)
+    return value

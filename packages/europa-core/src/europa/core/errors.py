@@ -1,0 +1,30 @@
+"""Errors a user can cause. Each carries one line that names the key, the value
+and what was expected; the CLI prints it without a traceback and exits 2."""
+
+
+class EuropaError(ValueError):
+    """Base of every user-facing error. ``str(err)`` is a single line."""
+
+    def __init__(self, message: str) -> None:
+        single_line = " ".join(message.split("\n"))
+        super().__init__(single_line)
+
+
+class ConfigError(EuropaError):
+    """A config key is unknown, has the wrong type or an impossible value."""
+
+
+class PluginError(EuropaError):
+    """Plugins conflict, are unknown, or break the hook contract."""
+
+
+class LaunchError(EuropaError):
+    """The distributed environment is incomplete or inconsistent."""
+
+
+class CheckpointError(EuropaError):
+    """A checkpoint is missing, incomplete or does not match the run."""
+
+
+class ResourceError(EuropaError):
+    """The job cannot fit on the machine it was asked to run on."""

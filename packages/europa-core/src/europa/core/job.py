@@ -1,0 +1,44 @@
+"""What every hook receives: the resolved config and where this process stands."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from europa.core.errors import PluginError
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from europa.core.config.schema import EuropaConfig
+
+
+@dataclass
+class Job:
+    config: EuropaConfig
+    run_dir: Path
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: torch.device | None = None
+    mesh: DeviceMesh | None = None
+    emit_metrics: Callable[[dict[str, Any]], None] = lambda record: None
+    claims: dict[str, str] = field(default_factory=dict)
+    state: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def claim(self, owner: str, parameter_names: Iterable[str]) -> None:
+        """Record that ``owner`` lays out these parameters; a second owner is an error."""
+        for name in parameter_names:
+            previous = self.claims.setdefault(name, owner)
+            if previous != owner:
+                raise PluginError(
+                    f"parameter {name!r} is claimed by both {previous} and {owner}: "
+                    "expected exactly one sharding plugin per parameter"
+                )

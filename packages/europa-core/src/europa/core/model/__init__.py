@@ -1,0 +1,15 @@
+"""The EUROPA MoE: a DeepSeek-V3 / Kimi-K2 decoder built from torchtitan's components."""
+
+from europa.core.model.build import build_moe_model, model_spec
+from europa.core.model.counting import ParameterCounts, count_parameters
+from europa.core.model.load_balance import ExpertLoad, expert_load, update_expert_bias
+
+__all__ = [
+    "ExpertLoad",
+    "ParameterCounts",
+    "build_moe_model",
+    "count_parameters",
+    "expert_load",
+    "model_spec",
+    "update_expert_bias",
+]

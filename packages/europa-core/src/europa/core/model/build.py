@@ -1,0 +1,106 @@
+"""``[model]`` → a torchtitan DeepSeek-V3 module tree, on the meta device.
+
+torchtitan 0.3.0 assembles the model from per-layer configs
+(``build_mla_moe_layers``). We keep its layers, init and parameter names and
+swap two leaves for CPU training: SDPA causal attention instead of
+FlexAttention (which has no CPU backward), and, for fp32 runs, routed experts
+that do not cast to bf16.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import torch
+from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
+
+from europa.core.config.schema import ModelConfig
+from europa.core.model import init
+from europa.core.model.experts import NativeDtypeGroupedExperts
+
+# The router asks for fp32 autocast around its gate; on CPU autocast only knows
+# bf16/fp16, so torch warns on every forward. The gate already runs in fp32.
+warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
+
+
+def _rope(m: ModelConfig) -> ComplexRoPE.Config:
+    yarn = m.rope_factor > 1.0
+    return ComplexRoPE.Config(
+        dim=m.qk_rope_head_dim,
+        max_seq_len=m.max_seq_len,
+        theta=m.rope_theta,
+        scaling="yarn" if yarn else "none",
+        rope_factor=m.rope_factor,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        original_seq_len=m.rope_original_seq_len,
+    )
+
+
+def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeekV3Model.Config:
+    """The torchtitan config tree for ``[model]``."""
+    groups = m.num_expert_groups or None
+    layers = build_mla_moe_layers(
+        n_layers=m.n_layers,
+        n_dense_layers=m.n_dense_layers,
+        dim=m.dim,
+        n_heads=m.n_heads,
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_nope_head_dim=m.qk_nope_head_dim,
+        qk_rope_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        mscale=m.mscale,
+        dense_hidden_dim=m.dense_hidden_dim,
+        moe_hidden_dim=m.moe_hidden_dim,
+        num_experts=m.num_experts,
+        num_shared_experts=m.num_shared_experts,
+        router_top_k=m.top_k,
+        router_score_func=m.score_func,
+        router_num_expert_groups=groups,
+        router_num_limited_groups=m.num_limited_groups or None,
+        router_route_scale=m.route_scale,
+        router_route_norm=m.route_norm,
+        attn_backend="flex",  # replaced below; "sdpa" is refused by the factory
+        moe_comm_backend="standard",
+        non_blocking_capacity_factor=None,
+        rope=_rope(m),
+        linear_init=init.LINEAR_INIT,
+        norm_init=init.NORM_INIT,
+        depth_init=init.depth_init,
+        depth_experts_init=init.depth_experts_init,
+    )
+    for layer in layers:
+        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        if layer.moe is None:
+            continue
+        layer.moe.load_balance_coeff = m.load_balance_coeff or None
+        if m.num_shared_experts == 0:
+            layer.moe.shared_experts = None
+        if native_dtype_experts:
+            inner = layer.moe.routed_experts.inner_experts
+            layer.moe.routed_experts.inner_experts = NativeDtypeGroupedExperts.Config(
+                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)}
+            )
+    return DeepSeekV3Model.Config(
+        vocab_size=m.vocab_size,
+        dim=m.dim,
+        tok_embeddings=Embedding.Config(
+            num_embeddings=m.vocab_size, embedding_dim=m.dim, param_init=init.EMBEDDING_INIT
+        ),
+        norm=RMSNorm.Config(normalized_shape=m.dim, param_init=init.NORM_INIT),
+        lm_head=Linear.Config(
+            in_features=m.dim, out_features=m.vocab_size, param_init=init.output_linear_init(m.dim)
+        ),
+        layers=layers,
+        mtp_layers=[],
+    )
+
+
+def build_moe_model(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeekV3Model:
+    """Build on the meta device: no memory is allocated until the trainer materialises it."""
+    with torch.device("meta"):
+        return model_spec(m, native_dtype_experts=native_dtype_experts).build()

@@ -1,0 +1,69 @@
+"""Auxiliary-loss-free load balancing (Wang et al., 2024, arXiv:2408.15664).
+
+Each MoE layer counts the tokens routed to each expert during forward. Before
+the optimizer step the counts are summed over data-parallel ranks (and
+micro-batches), each expert's routing bias moves by ``coeff`` toward balance,
+and the counts reset. Only the *signs* of (mean - count) matter, and the
+reported load is a share of the layer's routed tokens, so both are unaffected
+by activation checkpointing counting the recomputed forward a second time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchtitan.models.common.moe import MoE
+
+
+def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
+    return [
+        (name.removesuffix(".moe"), m) for name, m in model.named_modules() if isinstance(m, MoE)
+    ]
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Per MoE layer: the share of routed tokens each expert received."""
+
+    shares: dict[str, list[float]]
+
+    def imbalance(self) -> dict[str, float]:
+        """max / mean share per layer: 1.0 is perfect balance, num_experts the worst."""
+        return {
+            layer: max(shares) * len(shares) if sum(shares) > 0 else 0.0
+            for layer, shares in self.shares.items()
+        }
+
+
+def _global_counts(model: nn.Module) -> tuple[list[tuple[str, MoE]], torch.Tensor]:
+    layers = moe_layers(model)
+    counts = torch.stack([moe.tokens_per_expert_E.detach().float() for _, moe in layers])
+    if dist.is_available() and dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+    return layers, counts
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module) -> ExpertLoad:
+    """Sum this step's counts over ranks, move the biases, reset the counts.
+
+    Call once per optimizer step on every rank (it is a collective)."""
+    layers, counts = _global_counts(model)
+    totals = counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+    shares = counts / totals
+    for (_, moe), layer_counts in zip(layers, counts, strict=True):
+        if moe.load_balance_coeff is not None and moe.expert_bias_E is not None:
+            delta = moe.load_balance_coeff * torch.sign(layer_counts.mean() - layer_counts)
+            moe.expert_bias_E.add_(delta - delta.mean())
+        moe.tokens_per_expert_E.zero_()
+    return ExpertLoad({name: row.tolist() for (name, _), row in zip(layers, shares, strict=True)})
+
+
+def expert_load(model: nn.Module) -> ExpertLoad:
+    """The current shares without touching biases or counts (a collective)."""
+    layers, counts = _global_counts(model)
+    shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
+    return ExpertLoad({name: row.tolist() for (name, _), row in zip(layers, shares, strict=True)})

@@ -1,0 +1,142 @@
+"""Muon for hidden matrices, AdamW for everything else, in one optimizer.
+
+Why not ``torch.optim.Muon``: it accepts only 2-D parameters (routed experts
+are stacked ``[experts, rows, cols]`` tensors, most of an MoE's weights) and
+always orthogonalises in bf16, which a CPU without bf16 units runs 10-50x
+slower. This implementation uses the same quintic Newton–Schulz iteration and
+coefficients, treats a 3-D parameter as a batch of independent matrices, and
+works on FSDP2's DTensor shards:
+
+* a parameter sharded along its expert dimension holds whole matrices
+  locally, so it is orthogonalised with no communication;
+* any other sharded matrix is gathered (``full_tensor``), orthogonalised,
+  and each rank keeps its own shard (``src_data_rank=None``: no scatter).
+
+The learning rate is scaled per matrix by ``0.2 * sqrt(max(rows, cols))`` so
+the update RMS matches AdamW's and one ``lr`` serves both groups (Moonlight,
+arXiv:2502.16982).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalise(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate U V^T of each matrix in ``[..., rows, cols]`` (quintic Newton–Schulz)."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrices.float()
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if transposed:
+        x = x.mT
+    return x.to(matrices.dtype)
+
+
+def _holds_whole_matrices(param: DTensor) -> bool:
+    """Sharded only along a leading (batch/expert) dimension of a stacked parameter."""
+    return all(not isinstance(p, Shard) or p.dim < param.ndim - 2 for p in param.placements)
+
+
+def _orthogonalised_update(update: torch.Tensor, steps: int) -> torch.Tensor:
+    if not isinstance(update, DTensor):
+        return orthogonalise(update, steps)
+    if _holds_whole_matrices(update):
+        local = orthogonalise(update.to_local(), steps)
+        return DTensor.from_local(
+            local,
+            update.device_mesh,
+            update.placements,
+            shape=update.shape,
+            stride=update.stride(),
+        )
+    full = orthogonalise(update.full_tensor(), steps)
+    return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
+
+
+def rms_matching_scale(shape: torch.Size) -> float:
+    rows, cols = shape[-2], shape[-1]
+    return 0.2 * math.sqrt(max(rows, cols))
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    def __init__(
+        self,
+        muon_params: Iterable[torch.Tensor],
+        adamw_params: Iterable[torch.Tensor],
+        *,
+        lr: float,
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            betas=betas,
+            eps=eps,
+        )
+        groups = [
+            {"params": list(muon_params), "use_muon": True},
+            {"params": list(adamw_params), "use_muon": False},
+        ]
+        super().__init__([g for g in groups if g["params"]], defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if group["use_muon"]:
+                    self._muon_update(param, group)
+                else:
+                    self._adamw_update(param, group)
+        return loss
+
+    def _muon_update(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(param)
+        buf = state["momentum_buffer"]
+        buf.lerp_(param.grad, 1 - group["momentum"])
+        nesterov = param.grad.lerp(buf, group["momentum"])
+        update = _orthogonalised_update(nesterov, group["ns_steps"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.add_(update, alpha=-group["lr"] * rms_matching_scale(param.shape))
+
+    def _adamw_update(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        if "step" not in state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(param)
+            state["exp_avg_sq"] = torch.zeros_like(param)
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = state["step"].item()
+        state["exp_avg"].lerp_(param.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias1)

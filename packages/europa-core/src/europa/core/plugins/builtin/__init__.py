@@ -1,0 +1,1 @@
+"""europa-core's default plugins: each is replaceable by an enabled technique plugin."""

@@ -1,0 +1,42 @@
+"""Default activation checkpointing: recompute each transformer block in backward.
+
+Applied ``tryfirst`` in the wrap phase, so later wrappers (offload, overlap)
+see the checkpointed blocks. It wraps each block's ``forward`` in a
+non-reentrant ``torch.utils.checkpoint``, which composes with FSDP2: the block
+is re-gathered for the recompute like any other backward use.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch.utils.checkpoint import checkpoint
+
+from europa.core.config.fields import ConfigSection, setting
+from europa.core.hookspecs import hookimpl
+
+
+@dataclass(kw_only=True)
+class ActivationCheckpointingConfig:
+    mode: str = setting("none", choices=("none", "full"), doc="full: recompute every block")
+
+
+@hookimpl
+def europa_config_sections():
+    return [ConfigSection("activation_checkpointing", ActivationCheckpointingConfig)]
+
+
+def checkpoint_blocks(model) -> int:
+    """Make every transformer block recompute its activations in backward."""
+    for block in model.layers.values():
+        block.forward = functools.partial(
+            checkpoint, block.forward, use_reentrant=False, preserve_rng_state=True
+        )
+    return len(model.layers)
+
+
+@hookimpl(tryfirst=True)
+def europa_wrap_model(job, model):
+    if job.config.section("activation_checkpointing").mode == "full":
+        checkpoint_blocks(model)

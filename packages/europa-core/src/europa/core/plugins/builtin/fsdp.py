@@ -1,0 +1,39 @@
+"""Default ``europa_shard_model``: FSDP2 over the data-parallel mesh axes.
+
+Each transformer block is one FSDP unit (its parameters are gathered together
+just before it runs and freed after), the embedding/norm/head form the root
+unit. With ``dp_replicate > 1`` the mesh is 2-D and FSDP2 becomes HSDP.
+Works on gloo: gradients use FSDP's default averaging (a custom divide factor
+would need PREMUL_SUM, which gloo lacks).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.fsdp import fully_shard
+
+from europa.core.errors import PluginError
+from europa.core.hookspecs import hookimpl
+
+OWNER = "core.fsdp2"
+
+
+def data_parallel_mesh(job):
+    if job.config.parallel.dp_replicate > 1:
+        return job.mesh["dp_replicate", "dp_shard"]
+    return job.mesh["dp_shard"]
+
+
+@hookimpl(trylast=True)
+def europa_shard_model(job, model):
+    ep = job.config.parallel.ep
+    if ep > 1:
+        raise PluginError(
+            f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
+            "or enable a plugin whose europa_shard_model provides it"
+        )
+    mesh = data_parallel_mesh(job)
+    for block in model.layers.values():
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    job.claim(OWNER, (name for name, _ in model.named_parameters()))
+    return model

@@ -1,0 +1,60 @@
+"""Default ``europa_build_optimizer``: AdamW, or Muon on hidden matrices.
+
+Muon orthogonalises each whole weight matrix (Newton–Schulz), so under FSDP2,
+where a rank holds only a row-shard of each matrix, the matrix gradient is
+gathered (``full_tensor``), orthogonalised on every rank, and each rank keeps
+its own rows. That gather in ``optimizer.step()`` is exactly the traffic
+whole-expert sharding (europa-flexshard) removes. Embeddings, the output head,
+norms, router gates and biases stay on AdamW, as Muon's authors advise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from europa.core.hookspecs import hookimpl
+
+ADAMW_ONLY_NAMES = ("tok_embeddings", "lm_head", "norm", "router", "expert_bias")
+
+
+def uses_muon(name: str, param: torch.Tensor) -> bool:
+    """Hidden weight matrices (and stacked expert matrices) go to Muon."""
+    if param.ndim < 2:
+        return False
+    return not any(part in name for part in ADAMW_ONLY_NAMES)
+
+
+def _adamw(params, cfg) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        params,
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        foreach=False,
+    )
+
+
+@hookimpl(trylast=True)
+def europa_build_optimizer(job, model):
+    cfg = job.config.optimizer
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if cfg.name == "adamw":
+        return _adamw([p for _, p in named], cfg)
+    from europa.core.optim.muon import MuonWithAdamW
+
+    return MuonWithAdamW(
+        muon_params=[p for n, p in named if uses_muon(n, p)],
+        adamw_params=[p for n, p in named if not uses_muon(n, p)],
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        momentum=cfg.muon_momentum,
+        ns_steps=cfg.muon_ns_steps,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
+
+
+def is_sharded(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor)

@@ -1,0 +1,116 @@
+"""Distributed checkpoints (torch.distributed.checkpoint) that are never half-written.
+
+Every rank writes its shards into ``checkpoints/.step-NNNNNNNN.partial``; only
+after all ranks have finished does rank 0 rename it to ``step-NNNNNNNN``. A
+crash mid-save leaves a ``.partial`` folder that is never loaded and is
+cleared by the next save.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from europa.core.errors import CheckpointError
+
+CHECKPOINTS = "checkpoints"
+_STEP_DIR = re.compile(r"^step-(\d{8})$")
+MARKER = "europa-checkpoint.json"
+
+
+def step_dir(run_dir: Path, step: int) -> Path:
+    return run_dir / CHECKPOINTS / f"step-{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """Finished checkpoints, oldest first."""
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        match = _STEP_DIR.match(path.name)
+        if match and (path / MARKER).is_file():
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
+    done = complete_checkpoints(run_dir)
+    return done[-1] if done else None
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+    keep: int = 0,
+) -> Path:
+    final = step_dir(run_dir, step)
+    partial = final.with_name(f".{final.name}.partial")
+    if _is_main():
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save(
+        {"model": model_state, "optim": optim_state, "trainer": trainer_state},
+        checkpoint_id=str(partial),
+    )
+    _barrier()
+    if _is_main():
+        (partial / MARKER).write_text(json.dumps({"step": step}) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        partial.rename(final)
+        _prune(run_dir, keep)
+    _barrier()
+    return final
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    if keep <= 0:
+        return
+    for _, path in complete_checkpoints(run_dir)[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def load_checkpoint(
+    path: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    trainer_state: dict[str, Any],
+) -> dict[str, Any]:
+    """Load into the live (sharded) model and optimizer; returns the trainer state."""
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "trainer": dict(trainer_state)}
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except Exception as err:
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} does not match this model or optimizer ({first_line}); "
+            "expected a checkpoint written by the same config"
+        ) from None
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
+    )
+    return state["trainer"]

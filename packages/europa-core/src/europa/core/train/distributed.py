@@ -1,0 +1,145 @@
+"""Where this process stands: rank and world from torchrun, SLURM or a lone
+process; then the process group and the named device mesh.
+
+Mesh axes are torchtitan's canonical names. ``dp_replicate × dp_shard × ep``
+must equal the world size; ``dp_shard = -1`` takes whatever the other axes
+leave.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from europa.core.config.schema import ParallelConfig
+from europa.core.errors import LaunchError
+
+MESH_AXES = ("dp_replicate", "dp_shard", "ep")
+
+
+@dataclass(frozen=True)
+class ProcessPlace:
+    rank: int
+    world_size: int
+    local_rank: int
+    source: str  # "torchrun", "slurm" or "single"
+
+
+def _int_env(environ: dict[str, str], name: str) -> int:
+    value = environ[name]
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"{name} = {value!r}: expected an integer") from None
+
+
+def detect_launcher(environ: dict[str, str] | None = None) -> ProcessPlace | None:
+    """The place torchrun or SLURM gave this process, or None when started alone."""
+    env = dict(os.environ if environ is None else environ)
+    if "RANK" in env and "WORLD_SIZE" in env:
+        _require_rendezvous(env, "torchrun")
+        return ProcessPlace(
+            _int_env(env, "RANK"),
+            _int_env(env, "WORLD_SIZE"),
+            _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
+            "torchrun",
+        )
+    if "SLURM_PROCID" in env and _int_env(env, "SLURM_NTASKS") > 1:
+        _require_rendezvous(env, "slurm")
+        return ProcessPlace(
+            _int_env(env, "SLURM_PROCID"),
+            _int_env(env, "SLURM_NTASKS"),
+            _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
+            "slurm",
+        )
+    return None
+
+
+def _require_rendezvous(env: dict[str, str], source: str) -> None:
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not env.get(name):
+            raise LaunchError(
+                f"{name} is not set under {source}: expected the address and port of rank 0 "
+                "(e.g. export MASTER_ADDR=<first node> MASTER_PORT=29500)"
+            )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int]:
+    """(dp_replicate, dp_shard, ep) for this many ranks, or a LaunchError."""
+    others = parallel.dp_replicate * parallel.ep
+    if parallel.dp_shard == -1:
+        if world_size % others:
+            raise LaunchError(
+                f"parallel.dp_replicate × parallel.ep = {others}: expected a divisor of the "
+                f"{world_size} ranks"
+            )
+        return parallel.dp_replicate, world_size // others, parallel.ep
+    if others * parallel.dp_shard != world_size:
+        raise LaunchError(
+            f"parallel.dp_replicate × parallel.dp_shard × parallel.ep = "
+            f"{others * parallel.dp_shard}: expected the {world_size} ranks"
+        )
+    return parallel.dp_replicate, parallel.dp_shard, parallel.ep
+
+
+def pick_device(parallel: ParallelConfig, local_rank: int) -> torch.device:
+    wants_cuda = parallel.device == "cuda" or (
+        parallel.device == "auto" and torch.cuda.is_available()
+    )
+    if not wants_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LaunchError('parallel.device = "cuda": expected a CUDA device, found none')
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def pick_backend(parallel: ParallelConfig, device: torch.device) -> str:
+    if parallel.backend != "auto":
+        return parallel.backend
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_distributed(
+    parallel: ParallelConfig, place: ProcessPlace
+) -> tuple[torch.device, DeviceMesh]:
+    """Start the process group and build the named mesh for this process."""
+    shape = mesh_shape(parallel, place.world_size)
+    device = pick_device(parallel, place.local_rank)
+    if place.source == "single":
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            backend=pick_backend(parallel, device),
+            rank=place.rank,
+            world_size=place.world_size,
+            device_id=device if device.type == "cuda" else None,
+        )
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
+    return device, mesh
+
+
+def data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """(rank, size) of this process among the data-parallel replicas and shards:
+    ranks that differ only along ``ep`` read the same data."""
+    replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
+    size = replicate.size() * shard.size()
+    rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
+    return rank, size
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

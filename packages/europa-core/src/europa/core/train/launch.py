@@ -1,0 +1,140 @@
+"""``europa train`` without the CLI: check everything that can be checked in one
+process, prepare the run directory, then run here (one process, or one rank of
+torchrun/SLURM) or start N local workers through torch's own launcher."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from europa.core.config import EuropaConfig
+from europa.core.data import PackedSequences, RankBatches, load_documents, load_tokenizer
+from europa.core.errors import LaunchError
+from europa.core.job import Job
+from europa.core.model import count_parameters
+from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.resources import check_fits
+from europa.core.train.run_dir import default_run_dir, prepare_run_dir
+
+WORKER_MODULE = "europa.core.train.worker"
+
+
+class WorkerFailed(RuntimeError):
+    """A local worker exited non-zero; it has printed its own error."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: int) -> None:
+    """Fail in the launching process, with one line, on anything a worker would hit later."""
+    import torch
+
+    r, s, _ = mesh_shape(config.parallel, world_size)
+    model = plugins.hook.europa_build_model(
+        job=Job(config=config, run_dir=Path("."), world_size=world_size)
+    )
+    local = world_size if config.parallel.device != "cuda" else 1
+    check_fits(config, count_parameters(model), torch.device("cpu"), world_size, local)
+    tokenizer = load_tokenizer(config.data.tokenizer or None)
+    if tokenizer.get_vocab_size() > config.model.vocab_size:
+        from europa.core.errors import ConfigError
+
+        raise ConfigError(
+            f"model.vocab_size = {config.model.vocab_size}: expected at least the "
+            f"{tokenizer.get_vocab_size()} tokens of the tokenizer"
+        )
+    t = config.training
+    sequences = PackedSequences(load_documents(config.data.path or None), tokenizer, t.seq_len)
+    RankBatches(
+        sequences,
+        batch_size=t.batch_size,
+        dp_rank=0,
+        dp_world=r * s,
+        grad_accum_steps=t.grad_accum_steps,
+        seed=config.data.seed,
+    )
+
+
+def train(
+    config: EuropaConfig,
+    plugins: EuropaPluginManager,
+    *,
+    run_dir: Path | None = None,
+    resume: bool = False,
+    nproc: int | None = None,
+) -> Path:
+    """Run ``europa train``; returns the run directory."""
+    place = detect_launcher()
+    if place is not None:
+        if nproc is not None:
+            raise LaunchError(
+                f"--nproc = {nproc}: expected no --nproc under {place.source}, which already "
+                f"started {place.world_size} processes"
+            )
+        return _run_as_rank(config, plugins, place, run_dir, resume)
+    world = nproc if nproc is not None else config.parallel.nproc
+    if world < 1:
+        raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
+    preflight(config, plugins, world)
+    run_dir = run_dir or default_run_dir(config)
+    prepare_run_dir(config, run_dir, resume=resume)
+    if world == 1:
+        from europa.core.train.loop import run_training
+
+        run_training(config, run_dir, ProcessPlace(0, 1, 0, "single"), plugins, resume=resume)
+    else:
+        launch_local_workers(world, run_dir, resume)
+    return run_dir
+
+
+def _run_as_rank(config, plugins, place, run_dir, resume) -> Path:
+    from europa.core.train.loop import run_training
+
+    mesh_shape(config.parallel, place.world_size)
+    if run_dir is None:
+        run_dir = default_run_dir(config)
+    if place.rank == 0:
+        prepare_run_dir(config, run_dir, resume=resume)
+    run_training(config, run_dir, place, plugins, resume=resume)
+    return run_dir
+
+
+def _threads_per_worker(nproc: int) -> int:
+    return max(1, (os.cpu_count() or 1) // nproc)
+
+
+def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
+    """N worker processes on this machine via torch.distributed's elastic launcher."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc)))
+    # The elastic agent logs every worker exit at ERROR with a traceback; the
+    # worker has already printed its one-line error, and we raise WorkerFailed.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    launch = LaunchConfig(
+        min_nodes=1,
+        max_nodes=1,
+        nproc_per_node=nproc,
+        run_id=f"europa-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
+        max_restarts=0,
+        monitor_interval=0.1,
+    )
+    args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    try:
+        elastic_launch(launch, sys.executable)(*args)
+    except ChildFailedError as err:
+        rank, failure = err.get_first_failure()
+        raise WorkerFailed(
+            f"worker rank {rank} exited with code {failure.exitcode}; its error is printed "
+            f"above (run directory {str(run_dir)!r})",
+            failure.exitcode if failure.exitcode > 0 else 1,
+        ) from None

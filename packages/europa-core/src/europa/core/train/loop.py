@@ -1,0 +1,245 @@
+"""One training run on this process: build → shard → wrap → materialise →
+optimizer → data → steps (with checkpoints) → final checkpoint and summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from europa.core.config.schema import EuropaConfig
+from europa.core.data import PackedSequences, RankBatches, load_documents, load_tokenizer
+from europa.core.errors import CheckpointError, ConfigError
+from europa.core.job import Job
+from europa.core.model import count_parameters, update_expert_bias
+from europa.core.model.materialise import materialise
+from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.train import checkpoint, metrics
+from europa.core.train.distributed import (
+    ProcessPlace,
+    data_parallel_coordinates,
+    init_distributed,
+    shutdown,
+)
+from europa.core.train.resources import check_fits
+from europa.core.train.schedule import build_scheduler
+
+SUMMARY_FILE = "summary.json"
+
+
+@dataclass
+class Batches:
+    source: RankBatches
+    tokens_per_step: int  # over all data-parallel ranks
+
+
+def build_batches(config: EuropaConfig, mesh) -> Batches:
+    tokenizer = load_tokenizer(config.data.tokenizer or None)
+    vocab = tokenizer.get_vocab_size()
+    if vocab > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size = {config.model.vocab_size}: expected at least the "
+            f"{vocab} tokens of the tokenizer"
+        )
+    t = config.training
+    sequences = PackedSequences(load_documents(config.data.path or None), tokenizer, t.seq_len)
+    dp_rank, dp_world = data_parallel_coordinates(mesh)
+    source = RankBatches(
+        sequences,
+        batch_size=t.batch_size,
+        dp_rank=dp_rank,
+        dp_world=dp_world,
+        grad_accum_steps=t.grad_accum_steps,
+        seed=config.data.seed,
+    )
+    return Batches(source, t.batch_size * t.seq_len * t.grad_accum_steps * dp_world)
+
+
+def _mean_over_ranks(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)  # gloo has no AVG
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def _full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+class Trainer:
+    def __init__(self, job: Job, plugins: EuropaPluginManager, resume: bool) -> None:
+        self.job = job
+        self.plugins = plugins
+        self.resume = resume
+        cfg = job.config
+        hook = plugins.hook
+        model = hook.europa_build_model(job=job)
+        self.counts = count_parameters(model)
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        check_fits(cfg, self.counts, job.device, job.world_size, local_ranks)
+        model = hook.europa_shard_model(job=job, model=model)
+        hook.europa_wrap_model(job=job, model=model)
+        materialise(model, job.device, cfg.run.seed)
+        model.train()
+        self.model = model
+        self.optimizer = hook.europa_build_optimizer(job=job, model=model)
+        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_schedule)
+        self.batches = build_batches(cfg, job.mesh)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def _trainer_state(self, step: int) -> dict[str, Any]:
+        return {"step": step, "scheduler": self.scheduler.state_dict()}
+
+    def restore(self) -> int:
+        found = checkpoint.latest_checkpoint(self.job.run_dir)
+        if found is None:
+            raise CheckpointError(
+                f"--resume: {str(self.job.run_dir)!r} holds no complete checkpoint; expected "
+                "checkpoints/step-* from an earlier run"
+            )
+        _, path = found
+        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self._trainer_state(0))
+        self.scheduler.load_state_dict(state["scheduler"])
+        return int(state["step"])
+
+    def save(self, step: int) -> Path:
+        return checkpoint.save_checkpoint(
+            self.job.run_dir,
+            step,
+            self.model,
+            self.optimizer,
+            self._trainer_state(step),
+            keep=self.job.config.checkpoint.keep,
+        )
+
+    # -- one step -------------------------------------------------------------------------
+
+    def _forward_backward(self, step: int) -> torch.Tensor:
+        accum = self.job.config.training.grad_accum_steps
+        total = torch.zeros((), device=self.job.device)
+        for micro in range(accum):
+            inputs, labels = self.batches.source.batch(step, micro)
+            logits = self.model(inputs.to(self.job.device))
+            loss = F.cross_entropy(
+                logits.flatten(0, 1).float(), labels.to(self.job.device).flatten()
+            )
+            (loss / accum).backward()
+            total += loss.detach() / accum
+        return total
+
+    def _clip(self) -> float:
+        max_norm = self.job.config.training.max_grad_norm
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if max_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+        return _full(norm).item()
+
+    def step(self, step: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        with ExitStack() as stack:
+            for manager in self.plugins.hook.europa_step_context(job=self.job, step=step):
+                if manager is not None:
+                    stack.enter_context(manager)
+            loss = self._forward_backward(step)
+            grad_norm = self._clip()
+            load = update_expert_bias(self.model)
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.scheduler.step()
+        elapsed = time.perf_counter() - started
+        imbalance = load.imbalance()
+        return {
+            "step": step + 1,
+            "loss": _mean_over_ranks(loss),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "tokens_per_s": self.batches.tokens_per_step / elapsed,
+            "step_time_s": elapsed,
+            "expert_imbalance_max": max(imbalance.values()),
+            "expert_imbalance": imbalance,
+            "expert_load": load.shares,
+        }
+
+    # -- the run --------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        job, cfg = self.job, self.job.config
+        start = self.restore() if self.resume else 0
+        if job.is_main:
+            metrics.truncate_after(job.run_dir, start)
+            sink = metrics.MetricsSink(
+                job.run_dir,
+                total_steps=cfg.training.steps,
+                start_step=start,
+                progress=cfg.metrics.progress,
+            )
+            job.emit_metrics = sink
+        first_loss = last_loss = None
+        began = time.perf_counter()
+        saved_at = start if self.resume else -1
+        for step in range(start, cfg.training.steps):
+            record = self.step(step)
+            self.plugins.hook.europa_after_step(job=job, step=step, metrics=record)
+            first_loss = record["loss"] if first_loss is None else first_loss
+            last_loss = record["loss"]
+            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.training.steps:
+                job.emit_metrics(record)
+            every = cfg.checkpoint.every
+            if every and (step + 1) % every == 0:
+                self.save(step + 1)
+                saved_at = step + 1
+        if saved_at != cfg.training.steps:
+            self.save(cfg.training.steps)
+        summary = {
+            "steps": cfg.training.steps,
+            "resumed_from": start if self.resume else None,
+            "first_loss": first_loss,
+            "final_loss": last_loss,
+            "seconds": time.perf_counter() - began,
+            "parameters": self.counts.as_dict(),
+            "world_size": job.world_size,
+        }
+        if job.is_main:
+            job.emit_metrics.close()
+            (job.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+        return summary
+
+
+def run_training(
+    config: EuropaConfig,
+    run_dir: Path,
+    place: ProcessPlace,
+    plugins: EuropaPluginManager,
+    *,
+    resume: bool = False,
+) -> dict[str, Any]:
+    """Everything one process does in ``europa train``."""
+    if config.training.deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+    device, mesh = init_distributed(config.parallel, place)
+    try:
+        job = Job(
+            config=config,
+            run_dir=run_dir,
+            rank=place.rank,
+            world_size=place.world_size,
+            local_rank=place.local_rank,
+            device=device,
+            mesh=mesh,
+        )
+        return Trainer(job, plugins, resume).run()
+    finally:
+        shutdown()

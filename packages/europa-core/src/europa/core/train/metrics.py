@@ -1,0 +1,57 @@
+"""Per-step records: appended to ``metrics.jsonl`` and shown on a progress bar (rank 0)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def truncate_after(run_dir: Path, step: int) -> None:
+    """On resume, drop records of steps past the checkpoint: they will be redone."""
+    path = run_dir / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
+    path.write_text("".join(line + "\n" for line in kept))
+
+
+class MetricsSink:
+    """Writes one JSON line per record; shows a progress bar when asked."""
+
+    def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, progress: bool):
+        self._file = (run_dir / METRICS_FILE).open("a", buffering=1)
+        self._bar = (
+            tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+            if progress
+            else None
+        )
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        if self._bar is not None and "loss" in record:
+            self._bar.set_postfix(
+                loss=f"{record['loss']:.4f}",
+                lr=f"{record['lr']:.2e}",
+                tok_s=f"{record['tokens_per_s']:.0f}",
+                imbalance=f"{record['expert_imbalance_max']:.2f}",
+                refresh=False,
+            )
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        self._file.close()
+
+
+def discard(record: dict[str, Any]) -> None:
+    """The sink of every rank but 0."""

@@ -1,0 +1,36 @@
+"""One local worker started by ``launch_local_workers``: reads the resolved config
+from the run directory and trains as the rank torch's launcher assigned."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from europa.core.errors import EuropaError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="europa-worker")
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--resume", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        from europa.core.session import load_run_config
+        from europa.core.train.distributed import detect_launcher
+        from europa.core.train.loop import run_training
+
+        config, plugins = load_run_config(args.run_dir)
+        place = detect_launcher()
+        if place is None:
+            print("europa worker: expected RANK/WORLD_SIZE from torch's launcher", file=sys.stderr)
+            return 2
+        run_training(config, args.run_dir, place, plugins, resume=args.resume)
+    except EuropaError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
