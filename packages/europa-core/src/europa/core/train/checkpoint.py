@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from europa.core.errors import CheckpointError
@@ -93,6 +94,16 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _root_cause(err: BaseException) -> str:
+    """The first rank's underlying error, on one line."""
+    failures = getattr(err, "failures", None)
+    if failures:
+        wrapped = next(iter(failures.values()))  # (exception, traceback frames)
+        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    lines = str(err).strip().splitlines()
+    return lines[0] if lines else type(err).__name__
+
+
 def load_checkpoint(
     path: Path,
     model: torch.nn.Module,
@@ -104,11 +115,10 @@ def load_checkpoint(
     state = {"model": model_state, "optim": optim_state, "trainer": dict(trainer_state)}
     try:
         dcp.load(state, checkpoint_id=str(path))
-    except Exception as err:
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise CheckpointError(
-            f"checkpoint {str(path)!r} does not match this model or optimizer ({first_line}); "
-            "expected a checkpoint written by the same config"
+            f"checkpoint {str(path)!r} does not match this model or optimizer "
+            f"({_root_cause(err)}); expected a checkpoint written by the same config"
         ) from None
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -94,6 +95,19 @@ class Trainer:
         self.optimizer = hook.europa_build_optimizer(job=job, model=model)
         self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_schedule)
         self.batches = build_batches(cfg, job.mesh)
+        if job.is_main:
+            print(self.describe(), file=sys.stderr, flush=True)
+
+    def describe(self) -> str:
+        job, counts = self.job, self.counts
+        mesh = " × ".join(
+            f"{n}={s}" for n, s in zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)
+        )
+        return (
+            f"europa: {job.config.preset}: {counts.total / 1e6:.2f} M parameters "
+            f"({counts.active_per_token / 1e6:.2f} M active per token); {job.world_size} "
+            f"rank(s), mesh {mesh}, {job.device.type}; run directory {job.run_dir}"
+        )
 
     # -- state ---------------------------------------------------------------------------
 

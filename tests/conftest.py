@@ -1,0 +1,91 @@
+"""Shared test fixtures. ``run_ranks`` runs a function on N real gloo processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "europa", deadline=None, suppress_health_check=[HealthCheck.too_slow], max_examples=60
+)
+settings.load_profile("europa")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        # Pickle here, not in the queue's feeder thread, so a failure is reported.
+        results.put((rank, "ok", pickle.dumps(fn(rank, world, *args))))
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results by rank.
+
+    ``fn`` must be importable (a module-level function of a test module)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(fn, rank, world, port, args, results))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    collected: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(collected) < world:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                silent = [
+                    (r, p.exitcode)
+                    for r, p in enumerate(procs)
+                    if r not in collected and p.exitcode is not None and results.empty()
+                ]
+                if silent:
+                    rank, code = silent[0]
+                    raise AssertionError(f"rank {rank} exited ({code}) without reporting") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"ranks did not finish within {timeout} s") from None
+                continue
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            collected[rank] = pickle.loads(value) if status == "ok" else value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [collected[rank] for rank in range(world)]
+
+
+@pytest.fixture
+def ranks() -> Callable[..., list[Any]]:
+    return run_ranks

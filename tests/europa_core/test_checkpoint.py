@@ -1,0 +1,79 @@
+"""Checkpoints are found only when complete; the run directory is guarded."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from europa.core.config import load_config
+from europa.core.errors import CheckpointError, ConfigError
+from europa.core.train import checkpoint
+from europa.core.train.run_dir import prepare_run_dir
+
+
+def _fake_checkpoint(run_dir, step, complete=True):
+    path = checkpoint.step_dir(run_dir, step)
+    path.mkdir(parents=True)
+    if complete:
+        (path / checkpoint.MARKER).write_text("{}")
+    return path
+
+
+def test_only_complete_checkpoints_count(tmp_path):
+    _fake_checkpoint(tmp_path, 5)
+    _fake_checkpoint(tmp_path, 10, complete=False)  # died mid-save before the marker
+    (tmp_path / "checkpoints" / ".step-00000015.partial").mkdir()
+    assert checkpoint.latest_checkpoint(tmp_path) == (5, checkpoint.step_dir(tmp_path, 5))
+
+
+def _save_twice_and_interrupt(tmp_path):
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    for step in (1, 2, 3):
+        checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {"step": step}, keep=2)
+    return model, optimizer
+
+
+def test_save_keeps_the_newest_and_round_trips(tmp_path):
+    model, optimizer = _save_twice_and_interrupt(tmp_path)
+    assert [s for s, _ in checkpoint.complete_checkpoints(tmp_path)] == [2, 3]
+    assert not list((tmp_path / "checkpoints").glob(".*partial"))
+
+    restored = torch.nn.Linear(3, 2)
+    restored_opt = torch.optim.AdamW(restored.parameters())
+    restored(torch.randn(4, 3)).sum().backward()
+    restored_opt.step()
+    state = checkpoint.load_checkpoint(
+        checkpoint.step_dir(tmp_path, 3), restored, restored_opt, {"step": 0}
+    )
+    assert state["step"] == 3
+    for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    exp_avg = optimizer.state[model.weight]["exp_avg"]
+    assert torch.equal(restored_opt.state[restored.weight]["exp_avg"], exp_avg)
+
+
+def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
+    _save_twice_and_interrupt(tmp_path)
+    other = torch.nn.Linear(5, 2)
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load_checkpoint(
+            checkpoint.step_dir(tmp_path, 3), other, torch.optim.AdamW(other.parameters()), {}
+        )
+    assert "\n" not in str(err.value)
+    assert "does not match this model or optimizer (Size mismatch between saved" in str(err.value)
+
+
+def test_a_used_run_directory_is_not_overwritten(tmp_path):
+    config = load_config("tiny")
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ConfigError, match="already holds a run"):
+        prepare_run_dir(config, tmp_path, resume=False)
+    assert (tmp_path / "metrics.jsonl").read_text() == "{}\n"
+
+
+def test_resume_needs_a_checkpoint(tmp_path):
+    with pytest.raises(CheckpointError, match="holds no complete checkpoint"):
+        prepare_run_dir(load_config("tiny"), tmp_path, resume=True)

@@ -1,0 +1,84 @@
+"""Where a process stands: torchrun, SLURM or alone; and the mesh it builds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from europa.core.config import load_config
+from europa.core.errors import LaunchError
+from europa.core.train.distributed import ProcessPlace, detect_launcher, mesh_shape
+
+
+def test_a_lone_process_has_no_launcher():
+    assert detect_launcher({}) is None
+    assert detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "1"}) is None
+
+
+def test_torchrun_environment():
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1",
+    }
+    assert detect_launcher(env) == ProcessPlace(3, 4, 1, "torchrun")
+
+
+def test_slurm_environment():
+    env = {
+        "SLURM_PROCID": "5",
+        "SLURM_NTASKS": "8",
+        "SLURM_LOCALID": "1",
+        "MASTER_ADDR": "node1",
+        "MASTER_PORT": "29500",
+    }
+    assert detect_launcher(env) == ProcessPlace(5, 8, 1, "slurm")
+
+
+def test_slurm_without_a_rendezvous_address_is_refused():
+    with pytest.raises(LaunchError) as err:
+        detect_launcher({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "MASTER_PORT": "1"})
+    assert str(err.value).startswith("MASTER_ADDR is not set under slurm: expected")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "world", "shape"),
+    [
+        ([], 2, (1, 2, 1)),
+        (["parallel.dp_replicate=2"], 4, (2, 2, 1)),
+        (["parallel.ep=2"], 4, (1, 2, 2)),
+        (["parallel.dp_shard=3"], 3, (1, 3, 1)),
+    ],
+)
+def test_mesh_shape(overrides, world, shape):
+    assert mesh_shape(load_config("tiny", overrides).parallel, world) == shape
+
+
+def test_a_mesh_that_does_not_cover_the_ranks_is_refused():
+    parallel = load_config("tiny", ["parallel.dp_shard=2", "parallel.dp_replicate=2"]).parallel
+    with pytest.raises(LaunchError) as err:
+        mesh_shape(parallel, 2)
+    assert str(err.value) == (
+        "parallel.dp_replicate × parallel.dp_shard × parallel.ep = 4: expected the 2 ranks"
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_under_torchrun_each_rank_trains_as_the_rank_it_was_given(tmp_path):
+    run_dir = tmp_path / "torchrun"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "europa.cli", "train", "--run-dir", str(run_dir),
+        "--set", "training.steps=3", "--set", "metrics.progress=false",
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert "2 rank(s), mesh dp_replicate=1 × dp_shard=2 × ep=1" in done.stderr

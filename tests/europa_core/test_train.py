@@ -1,0 +1,110 @@
+"""End to end: ``europa train`` on 2 gloo worker processes (through torch's launcher)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import tomli
+
+from europa.cli.app import run
+from europa.core.train.checkpoint import complete_checkpoints
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+QUIET = ["--set", "metrics.progress=false"]
+
+
+def _train(run_dir: Path, *args: str) -> None:
+    code = run(["train", "--run-dir", str(run_dir), *QUIET, *args])
+    assert code == 0, f"europa train exited {code}"
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in _records(run_dir)]
+
+
+def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
+    run_dir = tmp_path / "run"
+    _train(run_dir, "--nproc", "2", "--set", "training.steps=40", "--set", "checkpoint.every=20")
+
+    records = _records(run_dir)
+    assert [r["step"] for r in records] == list(range(1, 41))
+    first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    for record in records:
+        assert {"loss", "tokens_per_s", "lr", "grad_norm", "expert_load"} <= record.keys()
+        for layer, shares in record["expert_load"].items():
+            assert len(shares) == 8
+            assert sum(shares) == pytest.approx(1.0, abs=1e-6), layer
+            assert record["expert_imbalance"][layer] == pytest.approx(max(shares) * 8)
+
+    written = tomli.loads((run_dir / "config.toml").read_text())
+    assert written["training"]["steps"] == 40
+    assert written["parallel"]["nproc"] == 2
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [20, 40]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["final_loss"] == records[-1]["loss"]
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4"]
+    whole = tmp_path / "whole"
+    _train(whole, *steps)
+
+    # An interrupted run: the same directory as it stood after step 4.
+    interrupted = tmp_path / "interrupted"
+    shutil.copytree(whole, interrupted)
+    shutil.rmtree(interrupted / "checkpoints" / "step-00000008")
+    (interrupted / "summary.json").unlink()
+    _train(interrupted, "--resume")
+
+    assert _losses(interrupted) == _losses(whole)  # bitwise equal on CPU fp32
+    assert [r["step"] for r in _records(interrupted)] == list(range(1, 9))
+    assert json.loads((interrupted / "summary.json").read_text())["resumed_from"] == 4
+
+
+def test_activation_checkpointing_changes_memory_not_results(tmp_path):
+    plain, recomputed = tmp_path / "plain", tmp_path / "ac"
+    _train(plain, "--set", "training.steps=3")
+    _train(recomputed, "--set", "training.steps=3", "--set", 'activation_checkpointing.mode="full"')
+    assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-6)
+    assert _records(recomputed)[-1]["expert_load"] == _records(plain)[-1]["expert_load"]
+
+
+def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
+    big, accumulated = tmp_path / "big", tmp_path / "accum"
+    _train(big, "--set", "training.steps=3", "--set", "training.batch_size=8")
+    _train(
+        accumulated,
+        "--set", "training.steps=3",
+        "--set", "training.batch_size=4",
+        "--set", "training.grad_accum_steps=2",
+    )  # fmt: skip
+    assert _losses(accumulated) == pytest.approx(_losses(big), rel=1e-5)
+
+
+def test_muon_trains(tmp_path):
+    run_dir = tmp_path / "muon"
+    _train(run_dir, "--set", "training.steps=15", "--set", 'optimizer.name="muon"',
+           "--set", "optimizer.lr=0.02")  # fmt: skip
+    losses = _losses(run_dir)
+    assert losses[-1] < losses[0] - 0.5, losses
+
+
+def test_resume_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
+    run_dir = tmp_path / "empty"
+    run_dir.mkdir()
+    assert run(["train", "--run-dir", str(run_dir), "--resume", "tiny"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"europa: error: --resume: {str(run_dir)!r} holds no complete checkpoint; "
+        "expected checkpoints/step-* from an earlier run"
+    )
