@@ -4,7 +4,8 @@ A plugin implements any of these with ``pluggy.HookimplMarker("europa")``; it
 never needs to import europa-core. Pick-one hooks are ``firstresult``: the first
 non-None answer wins, and two *enabled* plugins implementing the same one is
 refused at start-up (built-in defaults are registered ``trylast`` and yield).
-Declarations are ``historic``: a plugin registered late still sees the call.
+Every other hook is "all run": each enabled implementation is called. (No
+hook is ``historic``: plugins are all registered before the first call.)
 
 Order within a run: config → build → shard → wrap → (materialise) →
 optimizer → step ... → after_step; plan runs instead of build..step for
@@ -33,14 +34,17 @@ hookimpl = pluggy.HookimplMarker("europa")
 # --------------------------------------------------------------------------------------
 
 
-@hookspec(historic=True)
+@hookspec
 def europa_config_sections() -> list[ConfigSection]:
-    """Declare this plugin's TOML tables (historic).
+    """Declare this plugin's TOML tables (all run).
 
-    Return ``ConfigSection(name, dataclass, owner=<plugin name>)`` items; every
-    field of the dataclass is a key with a typed default. The validator rejects
-    unknown keys, wrong types and values outside the declared bounds, and a
-    table set for a plugin that is not enabled.
+    Return ``ConfigSection(name, dataclass)`` items; every field of the
+    dataclass is a key with a typed default (declare fields with
+    ``europa.core.config.setting`` for bounds and choices, or plain defaults).
+    The manager asks each plugin separately, so it records which plugin owns
+    which table; a table set for a plugin that is not enabled is refused.
+    Installed plugins are all asked, enabled or not, so ``europa config show``
+    knows every table.
     """
 
 

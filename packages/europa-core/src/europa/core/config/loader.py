@@ -139,14 +139,23 @@ def build_config(
     tables = {s.name: s for s in sections}
     for name in raw:
         if name != "preset" and name not in tables:
+            if not isinstance(raw[name], dict):  # a top-level key, not a table
+                raise _unknown(name, raw[name], sections)
             hint = _suggest(name, tables) or "; expected one of " + ", ".join(tables)
             raise ConfigError(f"[{name}]: unknown table{hint}")
     built = {s.name: _build_section(s, raw.get(s.name, {}), sections) for s in sections}
     core_names = {s.name for s in CORE_SECTIONS}
+    # Tables of installed but not enabled plugins are checked, not kept: written back
+    # by config_to_toml they would read as "set for a plugin that is not enabled".
+    active = set(builtin_owners) | set(built["plugins"].enabled)
     config = EuropaConfig(
         preset=raw.get("preset", DEFAULT_PRESET),
         **{name: built[name] for name in core_names},
-        extensions={name: value for name, value in built.items() if name not in core_names},
+        extensions={
+            s.name: built[s.name]
+            for s in sections
+            if s.name not in core_names and s.owner in active
+        },
     )
     _check_plugin_tables(config, raw, sections, set(builtin_owners))
     check_cross_field_rules(config)

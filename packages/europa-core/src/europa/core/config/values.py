@@ -3,7 +3,10 @@ one-line wording every config error shares: ``key = value: expected ...``."""
 
 from __future__ import annotations
 
+import datetime
 import json
+import math
+import re
 import typing
 from dataclasses import Field
 from typing import Any
@@ -13,12 +16,23 @@ from europa.core.errors import ConfigError
 
 
 def show(value: Any) -> str:
-    """A value as it would be written in TOML."""
+    """A value as it would be written in TOML (any value ``tomli`` can return)."""
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str | list | dict):
+    if isinstance(value, str):
         return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(show(item) for item in value) + "]"
+    if isinstance(value, dict):
+        items = (f"{_show_key(k)} = {show(v)}" for k, v in value.items())
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
     return repr(value)
+
+
+def _show_key(key: str) -> str:
+    return key if re.fullmatch(r"[A-Za-z0-9_-]+", key) else json.dumps(key)
 
 
 def fail(key: str, value: Any, expected: str) -> ConfigError:
@@ -77,6 +91,8 @@ def _matches_type(annotation: Any, value: Any) -> bool:
 
 
 def _within_bounds(bounds: Bounds, value: Any) -> bool:
+    if isinstance(value, float) and math.isnan(value):
+        return False  # nan compares false with every bound, so it would pass them all
     if bounds.choices is not None and value not in bounds.choices:
         return False
     if bounds.ge is not None and value < bounds.ge:

@@ -96,7 +96,15 @@ class EuropaPluginManager:
                     self._load_entry_point(entry_point)
         for name, plugin, dist, version in extra_plugins:
             self._add_external(name, plugin, dist, version)
-        self._pm.check_pending()
+        try:
+            self._pm.check_pending()
+        except pluggy.PluginValidationError as err:
+            name = self._pm.get_name(err.plugin) or repr(err.plugin)
+            dist = self._external.get(name, (None, CORE_OWNER))[1]
+            raise self._invalid(name, dist, err) from None
+        # Validated against the specs above; silent until enable() switches them on.
+        for plugin, _, _ in self._external.values():
+            self._pm.unregister(plugin)
 
     # -- loading ------------------------------------------------------------------------
 
@@ -121,8 +129,18 @@ class EuropaPluginManager:
                 f"plugin name {name!r} is registered by both {other} and {dist}: "
                 "expected unique plugin names"
             )
-        self._pm.register(plugin, name=name)
+        try:
+            self._pm.register(plugin, name=name)
+        except pluggy.PluginValidationError as err:
+            raise self._invalid(name, dist, err) from None
         self._external[name] = (plugin, dist, version)
+
+    @staticmethod
+    def _invalid(name: str, dist: str, err: pluggy.PluginValidationError) -> PluginError:
+        return PluginError(
+            f"plugin {name!r} from {dist} does not match the europa hook specs ({err}); "
+            f"expected hooks as in europa.core.hookspecs (set {DISABLE_ENV}={name} to skip it)"
+        )
 
     # -- enabling -----------------------------------------------------------------------
 
@@ -143,8 +161,11 @@ class EuropaPluginManager:
                 )
         self._check_roles(names)
         for name, (plugin, _, _) in self._external.items():
-            if name not in names and self._pm.is_registered(plugin):
+            registered = self._pm.is_registered(plugin)
+            if name not in names and registered:
                 self._pm.unregister(plugin)
+            elif name in names and not registered:  # switched off by an earlier enable()
+                self._pm.register(plugin, name=name)
         self._enabled = set(names)
 
     def _check_roles(self, names: Sequence[str]) -> None:
@@ -168,9 +189,11 @@ class EuropaPluginManager:
         """Core tables, then each registered plugin's, tagged with the plugin's owner."""
         sections = list(CORE_SECTIONS)
         seen = {s.name: CORE_OWNER for s in sections}
-        for impl in self._pm.hook.europa_config_sections.get_hookimpls():
-            owner = self._owner(impl.plugin_name)
-            for section in impl.function() or []:
+        declarers = [(CORE_OWNER, module) for module in self._builtin.values()]
+        declarers += [(name, plugin) for name, (plugin, _, _) in self._external.items()]
+        for owner, plugin in declarers:
+            declare = getattr(plugin, "europa_config_sections", None)
+            for section in (declare() if declare else None) or []:
                 if section.name in seen:
                     raise PluginError(
                         f"[{section.name}] is declared by both {seen[section.name]} and "
@@ -179,9 +202,6 @@ class EuropaPluginManager:
                 seen[section.name] = owner
                 sections.append(dataclasses.replace(section, owner=owner))
         return sections
-
-    def _owner(self, plugin_name: str) -> str:
-        return CORE_OWNER if plugin_name in self._builtin else plugin_name
 
     def builtin_owners(self) -> set[str]:
         return {CORE_OWNER}
