@@ -91,6 +91,14 @@ def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
     assert _losses(accumulated) == pytest.approx(_losses(big), rel=1e-5)
 
 
+def test_bfloat16_mixed_precision_tracks_fp32(tmp_path):
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    _train(fp32, "--set", "training.steps=3")
+    _train(bf16, "--set", "training.steps=3", "--set", 'training.dtype="bfloat16"')
+    assert _losses(bf16) == pytest.approx(_losses(fp32), rel=1e-2)
+    assert _losses(bf16) != _losses(fp32)  # bf16 compute really ran
+
+
 def test_muon_trains(tmp_path):
     run_dir = tmp_path / "muon"
     _train(run_dir, "--set", "training.steps=15", "--set", 'optimizer.name="muon"',

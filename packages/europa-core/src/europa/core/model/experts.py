@@ -1,10 +1,15 @@
 """Routed experts that compute in their own parameter dtype.
 
 torchtitan's ``GroupedExperts`` casts activations and weights to bf16 for
-``torch._grouped_mm``: right for Hopper, but on a CPU without bf16 units it is
-roughly 3x slower than fp32 and changes the numerics of an fp32 run. This
-subclass keeps the same parameters (names, shapes, init) and the same grouped
-matmul, minus the cast, so checkpoints are interchangeable with the bf16 path.
+``torch._grouped_mm``, which is right for Hopper. In an fp32 run that cast
+silently turns most of an MoE's FLOPs into bf16: results differ from the rest
+of the fp32 model, and exactness checks (resume, recomputation, accumulation)
+no longer hold. Whether it is faster depends on the CPU (DESIGN.md measured a
+CPU without bf16 units at ~3x slower; one with AVX512-BF16 runs it faster);
+``benchmarks/expert_dtype.py`` measures both paths on the machine at hand.
+This subclass keeps the same parameters (names, shapes, init) and the same
+grouped matmul, minus the cast, so checkpoints are interchangeable; bf16 runs
+(``training.dtype = "bfloat16"``) keep torchtitan's path.
 """
 
 from __future__ import annotations

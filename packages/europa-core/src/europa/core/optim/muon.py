@@ -1,11 +1,13 @@
 """Muon for hidden matrices, AdamW for everything else, in one optimizer.
 
 Why not ``torch.optim.Muon``: it accepts only 2-D parameters (routed experts
-are stacked ``[experts, rows, cols]`` tensors, most of an MoE's weights) and
-always orthogonalises in bf16, which a CPU without bf16 units runs 10-50x
-slower. This implementation uses the same quintic Newton–Schulz iteration and
-coefficients, treats a 3-D parameter as a batch of independent matrices, and
-works on FSDP2's DTensor shards:
+are stacked ``[experts, rows, cols]`` tensors, most of an MoE's weights), it
+always orthogonalises in bf16 (which a CPU without bf16 units runs 10-50x
+slower, DESIGN.md), and it does not know that a sharded matrix must be whole
+before it is orthogonalised. This implementation uses the same quintic
+Newton–Schulz iteration and coefficients in the parameter's dtype, treats a
+3-D parameter as a batch of independent matrices, and works on FSDP2's
+DTensor shards:
 
 * a parameter sharded along its expert dimension holds whole matrices
   locally, so it is orthogonalised with no communication;

@@ -15,15 +15,16 @@ from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ResourceError
 from europa.core.model.counting import ParameterCounts
 
-_BYTES = {"float32": 4, "bfloat16": 2}
+# Sharded master weights and gradients stay fp32 in both dtypes (bf16 is
+# FSDP2 mixed precision: only gathered copies and compute are bf16).
+_MASTER_AND_GRADIENT_BYTES = 4 + 4
 _OPTIMIZER_FP32_COPIES = {"adamw": 2, "muon": 1}  # muon: momentum; its AdamW share is small
 GIB = 1024**3
 
 
 def bytes_per_rank(config: EuropaConfig, counts: ParameterCounts, world_size: int) -> int:
-    weight = _BYTES[config.training.dtype]
     optimizer = 4 * _OPTIMIZER_FP32_COPIES[config.optimizer.name]
-    return counts.total * (2 * weight + optimizer) // world_size
+    return counts.total * (_MASTER_AND_GRADIENT_BYTES + optimizer) // world_size
 
 
 def available_bytes(device: torch.device) -> int:

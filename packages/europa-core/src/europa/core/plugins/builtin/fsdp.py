@@ -5,11 +5,16 @@ just before it runs and freed after), the embedding/norm/head form the root
 unit. With ``dp_replicate > 1`` the mesh is 2-D and FSDP2 becomes HSDP.
 Works on gloo: gradients use FSDP's default averaging (a custom divide factor
 would need PREMUL_SUM, which gloo lacks).
+
+``training.dtype = "bfloat16"`` is FSDP2 mixed precision: fp32 master weights
+and optimizer state, bf16 gathered parameters and compute, fp32 gradient
+reduction.
 """
 
 from __future__ import annotations
 
-from torch.distributed.fsdp import fully_shard
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from europa.core.errors import PluginError
 from europa.core.hookspecs import hookimpl
@@ -23,6 +28,12 @@ def data_parallel_mesh(job):
     return job.mesh["dp_shard"]
 
 
+def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+    if dtype == "float32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
 @hookimpl(trylast=True)
 def europa_shard_model(job, model):
     ep = job.config.parallel.ep
@@ -32,8 +43,9 @@ def europa_shard_model(job, model):
             "or enable a plugin whose europa_shard_model provides it"
         )
     mesh = data_parallel_mesh(job)
+    policy = mixed_precision(job.config.training.dtype)
     for block in model.layers.values():
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
     return model
