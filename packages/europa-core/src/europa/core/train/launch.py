@@ -11,11 +11,11 @@ import uuid
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.data import PackedSequences, RankBatches, load_documents, load_tokenizer
 from europa.core.errors import LaunchError
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.train.batches import build_batches
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
 from europa.core.train.resources import check_fits
 from europa.core.train.run_dir import default_run_dir, prepare_run_dir
@@ -39,26 +39,12 @@ def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: in
     model = plugins.hook.europa_build_model(
         job=Job(config=config, run_dir=Path("."), world_size=world_size)
     )
-    local = world_size if config.parallel.device != "cuda" else 1
-    check_fits(config, count_parameters(model), torch.device("cpu"), world_size, local)
-    tokenizer = load_tokenizer(config.data.tokenizer or None)
-    if tokenizer.get_vocab_size() > config.model.vocab_size:
-        from europa.core.errors import ConfigError
-
-        raise ConfigError(
-            f"model.vocab_size = {config.model.vocab_size}: expected at least the "
-            f"{tokenizer.get_vocab_size()} tokens of the tokenizer"
-        )
-    t = config.training
-    sequences = PackedSequences(load_documents(config.data.path or None), tokenizer, t.seq_len)
-    RankBatches(
-        sequences,
-        batch_size=t.batch_size,
-        dp_rank=0,
-        dp_world=r * s,
-        grad_accum_steps=t.grad_accum_steps,
-        seed=config.data.seed,
+    on_cpu = config.parallel.device == "cpu" or (
+        config.parallel.device == "auto" and not torch.cuda.is_available()
     )
+    if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
+        check_fits(config, count_parameters(model), torch.device("cpu"), world_size, world_size)
+    build_batches(config, dp_rank=0, dp_world=r * s)
 
 
 def train(

@@ -8,7 +8,6 @@ import os
 import sys
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from europa.core.config.schema import EuropaConfig
-from europa.core.data import PackedSequences, RankBatches, load_documents, load_tokenizer
-from europa.core.errors import CheckpointError, ConfigError
+from europa.core.errors import CheckpointError
 from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import materialise
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.train import checkpoint, metrics
+from europa.core.train.batches import build_batches
 from europa.core.train.distributed import (
     ProcessPlace,
     data_parallel_coordinates,
@@ -34,34 +33,6 @@ from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 
 SUMMARY_FILE = "summary.json"
-
-
-@dataclass
-class Batches:
-    source: RankBatches
-    tokens_per_step: int  # over all data-parallel ranks
-
-
-def build_batches(config: EuropaConfig, mesh) -> Batches:
-    tokenizer = load_tokenizer(config.data.tokenizer or None)
-    vocab = tokenizer.get_vocab_size()
-    if vocab > config.model.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size = {config.model.vocab_size}: expected at least the "
-            f"{vocab} tokens of the tokenizer"
-        )
-    t = config.training
-    sequences = PackedSequences(load_documents(config.data.path or None), tokenizer, t.seq_len)
-    dp_rank, dp_world = data_parallel_coordinates(mesh)
-    source = RankBatches(
-        sequences,
-        batch_size=t.batch_size,
-        dp_rank=dp_rank,
-        dp_world=dp_world,
-        grad_accum_steps=t.grad_accum_steps,
-        seed=config.data.seed,
-    )
-    return Batches(source, t.batch_size * t.seq_len * t.grad_accum_steps * dp_world)
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -94,7 +65,7 @@ class Trainer:
         self.model = model
         self.optimizer = hook.europa_build_optimizer(job=job, model=model)
         self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_schedule)
-        self.batches = build_batches(cfg, job.mesh)
+        self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
 
