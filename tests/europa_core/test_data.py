@@ -21,6 +21,7 @@ from europa.core.data import (
     load_documents,
     load_tokenizer,
 )
+from europa.core.data.packing import MAX_SEED
 
 EXPECTED_PATH = "expected a .txt file, a .jsonl file or a directory containing them"
 EXPECTED_LINE = 'expected one JSON object per line with a string "text" field'
@@ -273,7 +274,7 @@ def layouts(draw: st.DrawFn) -> dict:
         "batch_size": batch_size,
         "dp_world": dp_world,
         "grad_accum_steps": draw(st.integers(1, 3)),
-        "seed": draw(st.integers(0, 2**32)),
+        "seed": draw(st.integers(0, MAX_SEED)),
     }
 
 
@@ -376,7 +377,7 @@ def test_ranks_agree_on_the_global_order(layout: dict, step: int, data: st.DataO
 @settings(deadline=None)
 @given(
     num_sequences=st.integers(20, 40),
-    seeds=st.lists(st.integers(0, 2**32), min_size=2, max_size=2, unique=True),
+    seeds=st.lists(st.integers(0, MAX_SEED), min_size=2, max_size=2, unique=True),
 )
 def test_different_seeds_give_different_orders(num_sequences: int, seeds: list[int]) -> None:
     layout = {
@@ -388,6 +389,12 @@ def test_different_seeds_give_different_orders(num_sequences: int, seeds: list[i
     }
     first, second = (stream({**layout, "seed": seed}, num_sequences) for seed in seeds)
     assert first != second
+
+
+def test_seeds_that_the_generator_would_fold_together_are_refused() -> None:
+    sequences = PackedSequences.from_tokens(torch.arange(64), seq_len=3)
+    with pytest.raises(ValueError, match=r"seed = 4294967296: expected an integer between 0"):
+        RankBatches(sequences, batch_size=1, dp_rank=0, dp_world=1, seed=2**32)
 
 
 def test_too_few_sequences_for_a_micro_batch() -> None:

@@ -8,9 +8,8 @@ import sys
 import typer
 
 from europa.cli import config_cmd, plugins_cmd, train_cmd
-from europa.core.errors import EuropaError
+from europa.core.errors import EuropaError, WorkerFailed
 from europa.core.plugins import EuropaPluginManager
-from europa.core.train.launch import WorkerFailed
 
 USAGE_ERROR = 2
 

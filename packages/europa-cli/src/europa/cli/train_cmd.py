@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -10,9 +11,8 @@ import typer
 
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
 from europa.core.plugins import EuropaPluginManager
+from europa.core.run_layout import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
-from europa.core.train.launch import train
-from europa.core.train.run_dir import CONFIG_FILE
 
 
 def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
@@ -45,5 +45,20 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         if resume and source is None:
             source = str(run_dir / CONFIG_FILE)
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
+        from europa.core.train.launch import train  # torch and torchtitan: only when training
+
         done = train(resolved, plugins, run_dir=run_dir, resume=resume, nproc=nproc)
-        print(f"europa: run finished; results in {done}", file=sys.stderr)
+        print(_finished(done), file=sys.stderr)
+
+
+def _finished(run_dir: Path) -> str:
+    summary_file = run_dir / SUMMARY_FILE
+    if not summary_file.is_file():  # another rank of a torchrun job wrote nothing here
+        return f"europa: run finished; results in {run_dir}"
+    summary = json.loads(summary_file.read_text())
+    if summary["first_loss"] is None:
+        return f"europa: nothing left to train at step {summary['steps']}; results in {run_dir}"
+    return (
+        f"europa: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
+        f"{summary['final_loss']:.3f} in {summary['seconds']:.0f} s; results in {run_dir}"
+    )

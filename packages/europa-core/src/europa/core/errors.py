@@ -26,5 +26,14 @@ class CheckpointError(EuropaError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+class WorkerFailed(RuntimeError):
+    """A local worker exited non-zero; it has printed its own error. Not a
+    EuropaError: the cause may be a bug, and the exit code is the worker's."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class ResourceError(EuropaError):
     """The job cannot fit on the machine it was asked to run on."""

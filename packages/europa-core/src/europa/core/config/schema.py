@@ -8,11 +8,14 @@ from typing import Any
 
 from europa.core.config.fields import ConfigSection, setting
 
+# torch's CPU generator keeps 32 bits of a seed; data adds the epoch to its seed.
+MAX_SEED = 2**31 - 1
+
 
 @dataclass(kw_only=True)
 class RunConfig:
     name: str = setting("europa", doc="run name; the default run directory is runs/<name>-<time>")
-    seed: int = setting(0, ge=0, doc="seed for initialisation and data order")
+    seed: int = setting(0, ge=0, le=MAX_SEED, doc="seed for initialisation")
 
 
 @dataclass(kw_only=True)
@@ -92,7 +95,7 @@ class ParallelConfig:
 class DataConfig:
     path: str = setting("", doc="a .txt/.jsonl file or a folder of them; empty: embedded corpus")
     tokenizer: str = setting("", doc="a tokenizers JSON file; empty: embedded tokenizer")
-    seed: int = setting(0, ge=0, doc="shuffling seed")
+    seed: int = setting(0, ge=0, le=MAX_SEED, doc="shuffling seed")
 
 
 @dataclass(kw_only=True)

@@ -72,6 +72,12 @@ class PackedSequences:
         return window[:-1].clone(), window[1:].clone()
 
 
+# Epoch e is shuffled by a generator seeded with seed + e. The CPU generator
+# keeps only 32 bits of its seed (2**32 shuffles like 0), so seeds stay below
+# 2**31 and seed + epoch never wraps onto another run's order.
+MAX_SEED = 2**31 - 1
+
+
 class RankBatches:
     """Deterministic, stateless batch source: the batch for (step, micro) on a data-parallel rank
     is a pure function of (seed, step, micro, dp_rank, dp_world). Resume therefore needs only the
@@ -108,6 +114,8 @@ class RankBatches:
                 f"{global_batch} (batch_size {batch_size} × {dp_world} data-parallel ranks); "
                 "expected more text, a smaller training.seq_len or a smaller training.batch_size"
             )
+        if not 0 <= seed <= MAX_SEED:
+            raise ValueError(f"seed = {seed}: expected an integer between 0 and {MAX_SEED}")
         self.sequences = sequences
         self.batch_size = batch_size
         self.dp_rank = dp_rank

@@ -21,8 +21,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from europa.core.errors import CheckpointError
+from europa.core.run_layout import CHECKPOINTS
 
-CHECKPOINTS = "checkpoints"
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"
 

@@ -11,7 +11,7 @@ import uuid
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.errors import LaunchError
+from europa.core.errors import LaunchError, WorkerFailed
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
@@ -21,14 +21,6 @@ from europa.core.train.resources import check_fits
 from europa.core.train.run_dir import default_run_dir, prepare_run_dir
 
 WORKER_MODULE = "europa.core.train.worker"
-
-
-class WorkerFailed(RuntimeError):
-    """A local worker exited non-zero; it has printed its own error."""
-
-    def __init__(self, message: str, exit_code: int) -> None:
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: int) -> None:

@@ -21,6 +21,7 @@ from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import materialise
 from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.run_layout import SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import build_batches
 from europa.core.train.distributed import (
@@ -31,8 +32,6 @@ from europa.core.train.distributed import (
 )
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
-
-SUMMARY_FILE = "summary.json"
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:

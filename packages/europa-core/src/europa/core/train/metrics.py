@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-METRICS_FILE = "metrics.jsonl"
+from europa.core.run_layout import METRICS_FILE
 
 
 def truncate_after(run_dir: Path, step: int) -> None:

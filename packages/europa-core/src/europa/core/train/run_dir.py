@@ -8,9 +8,9 @@ from pathlib import Path
 
 from europa.core.config import EuropaConfig, config_to_toml
 from europa.core.errors import CheckpointError, ConfigError
+from europa.core.run_layout import CONFIG_FILE
 from europa.core.train.checkpoint import latest_checkpoint
 
-CONFIG_FILE = "config.toml"
 RUNS_ROOT = Path("runs")
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from torch.utils.checkpoint import checkpoint
-
 from europa.core.config.fields import ConfigSection, setting
 from europa.core.hookspecs import hookimpl
 
@@ -29,6 +27,8 @@ def europa_config_sections():
 
 def checkpoint_blocks(model) -> int:
     """Make every transformer block recompute its activations in backward."""
+    from torch.utils.checkpoint import checkpoint
+
     for block in model.layers.values():
         block.forward = functools.partial(
             checkpoint, block.forward, use_reentrant=False, preserve_rng_state=True

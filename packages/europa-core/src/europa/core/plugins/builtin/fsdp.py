@@ -13,9 +13,6 @@ reduction.
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
 from europa.core.errors import PluginError
 from europa.core.hookspecs import hookimpl
 
@@ -28,7 +25,10 @@ def data_parallel_mesh(job):
     return job.mesh["dp_shard"]
 
 
-def mixed_precision(dtype: str) -> MixedPrecisionPolicy:
+def mixed_precision(dtype: str):
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     if dtype == "float32":
         return MixedPrecisionPolicy()
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -42,6 +42,8 @@ def europa_shard_model(job, model):
             f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
             "or enable a plugin whose europa_shard_model provides it"
         )
+    from torch.distributed.fsdp import fully_shard
+
     mesh = data_parallel_mesh(job)
     policy = mixed_precision(job.config.training.dtype)
     for block in model.layers.values():

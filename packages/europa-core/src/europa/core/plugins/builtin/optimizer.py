@@ -10,22 +10,21 @@ norms, router gates and biases stay on AdamW, as Muon's authors advise.
 
 from __future__ import annotations
 
-import torch
-from torch.distributed.tensor import DTensor
-
 from europa.core.hookspecs import hookimpl
 
 ADAMW_ONLY_NAMES = ("tok_embeddings", "lm_head", "norm", "router", "expert_bias")
 
 
-def uses_muon(name: str, param: torch.Tensor) -> bool:
+def uses_muon(name: str, param) -> bool:
     """Hidden weight matrices (and stacked expert matrices) go to Muon."""
     if param.ndim < 2:
         return False
     return not any(part in name for part in ADAMW_ONLY_NAMES)
 
 
-def _adamw(params, cfg) -> torch.optim.AdamW:
+def _adamw(params, cfg):
+    import torch
+
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
@@ -54,7 +53,3 @@ def europa_build_optimizer(job, model):
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
     )
-
-
-def is_sharded(param: torch.Tensor) -> bool:
-    return isinstance(param, DTensor)
