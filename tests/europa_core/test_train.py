@@ -71,6 +71,24 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
     assert json.loads((interrupted / "summary.json").read_text())["resumed_from"] == 4
 
 
+def test_two_ranks_equal_one_process_on_the_same_global_batch(tmp_path):
+    # Initialisation does not depend on the world size, the data split does not
+    # change the global batch, and FSDP averages equal-sized rank means.
+    single, sharded = tmp_path / "single", tmp_path / "sharded"
+    _train(single, "--nproc", "1", "--set", "training.steps=3", "--set", "training.batch_size=16")
+    _train(sharded, "--nproc", "2", "--set", "training.steps=3", "--set", "training.batch_size=8")
+    assert _losses(sharded) == pytest.approx(_losses(single), rel=1e-5)
+
+
+def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
+    fsdp, hsdp = tmp_path / "fsdp", tmp_path / "hsdp"
+    _train(fsdp, "--nproc", "4", "--set", "training.steps=2")
+    _train(hsdp, "--nproc", "4", "--set", "training.steps=2", "--set", "parallel.dp_replicate=2")
+    assert _losses(hsdp) == pytest.approx(_losses(fsdp), rel=1e-6)
+    written = tomli.loads((hsdp / "config.toml").read_text())
+    assert written["parallel"]["dp_replicate"] == 2
+
+
 def test_activation_checkpointing_changes_memory_not_results(tmp_path):
     plain, recomputed = tmp_path / "plain", tmp_path / "ac"
     _train(plain, "--set", "training.steps=3")

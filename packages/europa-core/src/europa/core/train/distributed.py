@@ -117,12 +117,13 @@ def init_distributed(
     """Start the process group and build the named mesh for this process."""
     shape = mesh_shape(parallel, place.world_size)
     device = pick_device(parallel, place.local_rank)
-    if place.source == "single":
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    # A lone process rendezvous with itself on a free local port; launched ranks
+    # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.
+    init_method = f"tcp://127.0.0.1:{free_port()}" if place.source == "single" else "env://"
     if not dist.is_initialized():
         dist.init_process_group(
             backend=pick_backend(parallel, device),
+            init_method=init_method,
             rank=place.rank,
             world_size=place.world_size,
             device_id=device if device.type == "cuda" else None,
