@@ -134,3 +134,24 @@ def test_resume_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
         f"europa: error: --resume: {str(run_dir)!r} holds no complete checkpoint; "
         "expected checkpoints/step-* from an earlier run"
     )
+
+
+def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    _train(run_dir, "--set", "training.steps=3")
+    capsys.readouterr()
+
+    shorter = ["train", "--run-dir", str(run_dir), "--resume", "--set", "training.steps=2"]
+    assert run([*shorter, *QUIET]) == 2
+    checkpoint_dir = run_dir / "checkpoints" / "step-00000003"
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "europa: error: training.steps = 2: expected at least the 3 steps the checkpoint "
+        f"{str(checkpoint_dir)!r} has already done"
+    )
+
+    _train(run_dir, "--resume")
+    assert "nothing left to train at step 3" in capsys.readouterr().err
+
+    _train(run_dir, "--resume", "--set", "training.steps=5")
+    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4, 5]
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [3, 5]

@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from europa.core.errors import CheckpointError
+from europa.core.errors import CheckpointError, ConfigError
 from europa.core.run_layout import CHECKPOINTS
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -47,6 +47,23 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
 def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     done = complete_checkpoints(run_dir)
     return done[-1] if done else None
+
+
+def checkpoint_to_resume(run_dir: Path, total_steps: int) -> tuple[int, Path]:
+    """The newest complete checkpoint, if a run of ``total_steps`` can continue from it."""
+    found = latest_checkpoint(run_dir)
+    if found is None:
+        raise CheckpointError(
+            f"--resume: {str(run_dir)!r} holds no complete checkpoint; expected "
+            "checkpoints/step-* from an earlier run"
+        )
+    done, path = found
+    if done > total_steps:
+        raise ConfigError(
+            f"training.steps = {total_steps}: expected at least the {done} steps the "
+            f"checkpoint {str(path)!r} has already done"
+        )
+    return found
 
 
 def _barrier() -> None:

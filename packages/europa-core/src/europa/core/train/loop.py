@@ -16,7 +16,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from europa.core.config.schema import EuropaConfig
-from europa.core.errors import CheckpointError
 from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import materialise
@@ -74,7 +73,7 @@ class Trainer:
             f"{n}={s}" for n, s in zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)
         )
         return (
-            f"europa: {job.config.preset}: {counts.total / 1e6:.2f} M parameters "
+            f"europa: {job.config.run.name}: {counts.total / 1e6:.2f} M parameters "
             f"({counts.active_per_token / 1e6:.2f} M active per token); {job.world_size} "
             f"rank(s), mesh {mesh}, {job.device.type}; run directory {job.run_dir}"
         )
@@ -85,13 +84,7 @@ class Trainer:
         return {"step": step, "scheduler": self.scheduler.state_dict()}
 
     def restore(self) -> int:
-        found = checkpoint.latest_checkpoint(self.job.run_dir)
-        if found is None:
-            raise CheckpointError(
-                f"--resume: {str(self.job.run_dir)!r} holds no complete checkpoint; expected "
-                "checkpoints/step-* from an earlier run"
-            )
-        _, path = found
+        _, path = checkpoint.checkpoint_to_resume(self.job.run_dir, self.job.config.training.steps)
         state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
         return int(state["step"])

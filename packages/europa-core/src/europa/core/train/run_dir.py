@@ -7,9 +7,9 @@ import time
 from pathlib import Path
 
 from europa.core.config import EuropaConfig, config_to_toml
-from europa.core.errors import CheckpointError, ConfigError
+from europa.core.errors import ConfigError
 from europa.core.run_layout import CONFIG_FILE
-from europa.core.train.checkpoint import latest_checkpoint
+from europa.core.train.checkpoint import checkpoint_to_resume
 
 RUNS_ROOT = Path("runs")
 
@@ -26,11 +26,7 @@ def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None)
 def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
     """Create (or, on resume, check) the run directory and write the resolved config."""
     if resume:
-        if latest_checkpoint(run_dir) is None:
-            raise CheckpointError(
-                f"--resume: {str(run_dir)!r} holds no complete checkpoint; expected "
-                "checkpoints/step-* from an earlier run"
-            )
+        checkpoint_to_resume(run_dir, config.training.steps)
     elif run_dir.exists() and any(run_dir.iterdir()):
         raise ConfigError(
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
