@@ -23,11 +23,15 @@ def main(argv: list[str] | None = None) -> int:
         config, plugins = load_run_config(args.run_dir)
         place = detect_launcher()
         if place is None:
-            print("europa worker: expected RANK/WORLD_SIZE from torch's launcher", file=sys.stderr)
+            print(
+                "europa: error (worker): RANK/WORLD_SIZE are not set: expected to be "
+                "started by torch's launcher",
+                file=sys.stderr,
+            )
             return 2
         run_training(config, args.run_dir, place, plugins, resume=args.resume)
     except EuropaError as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"europa: error (worker): {err}", file=sys.stderr)
         return 2
     return 0
 
