@@ -3,6 +3,7 @@
 from europa.core.model.build import build_moe_model, model_spec
 from europa.core.model.counting import ParameterCounts, count_parameters
 from europa.core.model.load_balance import ExpertLoad, expert_load, update_expert_bias
+from europa.core.model.materialise import materialise
 
 __all__ = [
     "ExpertLoad",
@@ -10,6 +11,7 @@ __all__ = [
     "build_moe_model",
     "count_parameters",
     "expert_load",
+    "materialise",
     "model_spec",
     "update_expert_bias",
 ]
