@@ -18,6 +18,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Job:
+    """``emit_metrics`` writes a record (rank 0's sink; a no-op elsewhere).
+    ``claims`` maps parameter name -> the plugin laying it out. ``state`` is
+    where plugins keep per-run objects they share between their own hooks."""
+
     config: EuropaConfig
     run_dir: Path
     rank: int = 0

@@ -2,7 +2,7 @@
 
 from europa.core.model.build import build_moe_model, model_spec
 from europa.core.model.counting import ParameterCounts, count_parameters
-from europa.core.model.load_balance import ExpertLoad, expert_load, update_expert_bias
+from europa.core.model.load_balance import ExpertLoad, update_expert_bias
 from europa.core.model.materialise import materialise
 
 __all__ = [
@@ -10,7 +10,6 @@ __all__ = [
     "ParameterCounts",
     "build_moe_model",
     "count_parameters",
-    "expert_load",
     "materialise",
     "model_spec",
     "update_expert_bias",

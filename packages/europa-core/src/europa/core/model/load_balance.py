@@ -60,10 +60,3 @@ def update_expert_bias(model: nn.Module) -> ExpertLoad:
             moe.expert_bias_E.add_(delta - delta.mean())
         moe.tokens_per_expert_E.zero_()
     return ExpertLoad({name: row.tolist() for (name, _), row in zip(layers, shares, strict=True)})
-
-
-def expert_load(model: nn.Module) -> ExpertLoad:
-    """The current shares without touching biases or counts (a collective)."""
-    layers, counts = _global_counts(model)
-    shares = counts / counts.sum(dim=1, keepdim=True).clamp_min(1.0)
-    return ExpertLoad({name: row.tolist() for (name, _), row in zip(layers, shares, strict=True)})

@@ -11,6 +11,7 @@ but their hooks only run once switched on through ``plugins.enabled`` / ``-p``.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -87,7 +88,7 @@ class EuropaPluginManager:
         self._builtin: dict[str, object] = {}
         self._enabled: set[str] = set()
         for name, module_path in _BUILTIN_MODULES:
-            module = __import__(module_path, fromlist=["_"])
+            module = importlib.import_module(module_path)
             self._pm.register(module, name=name)
             self._builtin[name] = module
         if load_entry_points and "*" not in self._disabled:

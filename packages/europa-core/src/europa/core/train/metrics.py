@@ -51,7 +51,3 @@ class MetricsSink:
         if self._bar is not None:
             self._bar.close()
         self._file.close()
-
-
-def discard(record: dict[str, Any]) -> None:
-    """The sink of every rank but 0."""
