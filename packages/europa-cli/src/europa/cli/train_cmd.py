@@ -58,6 +58,12 @@ def _finished(run_dir: Path) -> str:
     summary = json.loads(summary_file.read_text())
     if summary["first_loss"] is None:
         return f"europa: nothing left to train at step {summary['steps']}; results in {run_dir}"
+    if summary["stopped_by"]:
+        return (
+            f"europa: stopped by {summary['stopped_by']} after step {summary['steps']} of "
+            f"{summary['target_steps']}, checkpoint saved; continue with: "
+            f"europa train --resume --run-dir {run_dir}"
+        )
     return (
         f"europa: {summary['steps']} steps, loss {summary['first_loss']:.3f} -> "
         f"{summary['final_loss']:.3f} in {summary['seconds']:.0f} s; results in {run_dir}"

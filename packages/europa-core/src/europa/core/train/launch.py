@@ -4,6 +4,7 @@ torchrun/SLURM) or start N local workers through torch's own launcher."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -15,12 +16,16 @@ from europa.core.errors import LaunchError, WorkerFailed
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.run_layout import SUMMARY_FILE
 from europa.core.train.batches import build_batches
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
 from europa.core.train.resources import check_fits
 from europa.core.train.run_dir import default_run_dir, prepare_run_dir
 
 WORKER_MODULE = "europa.core.train.worker"
+# How long a stop signal leaves workers to finish a step and checkpoint
+# before the launcher kills them.
+STOP_GRACE_SECONDS = 600
 
 
 def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: int) -> None:
@@ -88,7 +93,11 @@ def _threads_per_worker(nproc: int) -> int:
 
 
 def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
-    """N worker processes on this machine via torch.distributed's elastic launcher."""
+    """N worker processes on this machine via torch.distributed's elastic launcher.
+
+    A stop signal to this process (SIGTERM, SIGUSR1, ...) is passed on to the
+    workers, which finish their step and checkpoint (see ``train.stop``)."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -105,6 +114,8 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
+        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        shutdown_timeout=STOP_GRACE_SECONDS,
     )
     args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
     try:
@@ -116,3 +127,15 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
             f"above (run directory {str(run_dir)!r})",
             failure.exitcode if failure.exitcode > 0 else 1,
         ) from None
+    except SignalException as err:
+        if not _stopped_cleanly(run_dir):
+            raise WorkerFailed(
+                f"stopped by {err.sigval.name} before the workers saved a checkpoint "
+                f"(run directory {str(run_dir)!r})",
+                128 + int(err.sigval),
+            ) from None
+
+
+def _stopped_cleanly(run_dir: Path) -> bool:
+    summary = run_dir / SUMMARY_FILE
+    return summary.is_file() and bool(json.loads(summary.read_text()).get("stopped_by"))

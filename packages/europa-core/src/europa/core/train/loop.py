@@ -31,6 +31,7 @@ from europa.core.train.distributed import (
 )
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
+from europa.core.train.stop import StopRequest
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -166,22 +167,30 @@ class Trainer:
             job.emit_metrics = sink
         first_loss = last_loss = None
         began = time.perf_counter()
-        saved_at = start if self.resume else -1
-        for step in range(start, cfg.training.steps):
-            record = self.step(step)
-            self.plugins.hook.europa_after_step(job=job, step=step, metrics=record)
-            first_loss = record["loss"] if first_loss is None else first_loss
-            last_loss = record["loss"]
-            if (step + 1) % cfg.metrics.log_every == 0 or step + 1 == cfg.training.steps:
-                job.emit_metrics(record)
-            every = cfg.checkpoint.every
-            if every and (step + 1) % every == 0:
-                self.save(step + 1)
-                saved_at = step + 1
-        if saved_at != cfg.training.steps:
-            self.save(cfg.training.steps)
+        done = saved_at = start
+        stopped_by = None
+        with StopRequest() as stop:
+            for step in range(start, cfg.training.steps):
+                record = self.step(step)
+                self.plugins.hook.europa_after_step(job=job, step=step, metrics=record)
+                done = step + 1
+                first_loss = record["loss"] if first_loss is None else first_loss
+                last_loss = record["loss"]
+                stopping = stop.agreed(job.device)
+                if stopping or done % cfg.metrics.log_every == 0 or done == cfg.training.steps:
+                    job.emit_metrics(record)
+                if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
+                    self.save(done)
+                    saved_at = done
+                if stopping:
+                    stopped_by = stop.signal_name or "a signal to another rank"
+                    break
+            if saved_at != done:
+                self.save(done)
         summary = {
-            "steps": cfg.training.steps,
+            "steps": done,
+            "target_steps": cfg.training.steps,
+            "stopped_by": stopped_by,
             "resumed_from": start if self.resume else None,
             "first_loss": first_loss,
             "final_loss": last_loss,

@@ -33,6 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     except EuropaError as err:
         print(f"europa: error (worker): {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130  # Ctrl-C reached every process; the launcher reports it once
     return 0
 
 
