@@ -339,7 +339,7 @@ def test_plugin_table_is_validated_and_typed(install):
         ("gamma.depth=0", "gamma.depth = 0: expected an integer >= 1"),
         ("gamma.depth=1.5", "gamma.depth = 1.5: expected an integer >= 1"),
         ("gamma.mode=medium", 'gamma.mode = "medium": expected one of "fast", "slow"'),
-        ("gamma.ratio=2", "gamma.ratio = 2: expected a number between 0 and 1"),
+        ("gamma.ratio=2", "gamma.ratio = 2: expected a finite number between 0 and 1"),
     ],
 )
 def test_plugin_table_errors(install, override, message):

@@ -45,7 +45,7 @@ def _type_word(annotation: Any) -> str:
     if annotation is int:
         return "an integer"
     if annotation is float:
-        return "a number"
+        return "a finite number"
     if annotation is str:
         return "a string"
     if typing.get_origin(annotation) is list:
@@ -91,8 +91,8 @@ def _matches_type(annotation: Any, value: Any) -> bool:
 
 
 def _within_bounds(bounds: Bounds, value: Any) -> bool:
-    if isinstance(value, float) and math.isnan(value):
-        return False  # nan compares false with every bound, so it would pass them all
+    if isinstance(value, float) and not math.isfinite(value):
+        return False  # nan passes every comparison-based bound; inf is no usable setting
     if bounds.choices is not None and value not in bounds.choices:
         return False
     if bounds.ge is not None and value < bounds.ge:
