@@ -144,10 +144,20 @@ def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
     shorter = ["train", "--run-dir", str(run_dir), "--resume", "--set", "training.steps=2"]
     assert run([*shorter, *QUIET]) == 2
     checkpoint_dir = run_dir / "checkpoints" / "step-00000003"
-    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+    assert capsys.readouterr().err.strip().splitlines() == [
         "europa: error: training.steps = 2: expected at least the 3 steps the checkpoint "
         f"{str(checkpoint_dir)!r} has already done"
-    )
+    ]
+
+    config_before = (run_dir / "config.toml").read_bytes()
+    reshaped = ["train", "--run-dir", str(run_dir), "--resume", "--set", "model.dim=64"]
+    assert run([*reshaped, *QUIET]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"europa: error: checkpoint {str(checkpoint_dir)!r} does not match this model or "
+        "optimizer (model.tok_embeddings.weight is (2048, 128) there, (2048, 64) here); "
+        "expected a checkpoint written by the same config"
+    ]
+    assert (run_dir / "config.toml").read_bytes() == config_before  # nothing lost
 
     _train(run_dir, "--resume")
     assert "nothing left to train at step 3" in capsys.readouterr().err
@@ -155,3 +165,20 @@ def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
     _train(run_dir, "--resume", "--set", "training.steps=5")
     assert [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4, 5]
     assert [step for step, _ in complete_checkpoints(run_dir)] == [3, 5]
+
+
+def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capfd):
+    from europa.core.config import load_config
+    from europa.core.errors import LaunchedRunError
+    from europa.core.train.launch import launch_local_workers
+    from europa.core.train.run_dir import prepare_run_dir
+
+    run_dir = tmp_path / "run"
+    prepare_run_dir(load_config("tiny"), run_dir, resume=False)
+    # Damaged after the launcher checked it: only the workers can find out.
+    config = run_dir / "config.toml"
+    config.write_text(config.read_text().replace("steps = 200\n", "step = 3\n"))
+    with pytest.raises(LaunchedRunError) as err:
+        launch_local_workers(2, run_dir, resume=False)
+    assert str(err.value) == "training.step = 3: unknown key; did you mean training.steps?"
+    assert "training.step = 3" not in capfd.readouterr().err  # the workers printed nothing

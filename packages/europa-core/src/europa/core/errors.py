@@ -26,6 +26,10 @@ class CheckpointError(EuropaError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+class LaunchedRunError(EuropaError):
+    """A user-facing error that a local worker hit, reported once by the launcher."""
+
+
 class WorkerFailed(RuntimeError):
     """A local worker exited non-zero; it has printed its own error. Not a
     EuropaError: the cause may be a bug, and the exit code is the worker's."""

@@ -111,6 +111,40 @@ def _prune(run_dir: Path, keep: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _mismatch(path: Path, detail: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint {str(path)!r} does not match this model or optimizer ({detail}); "
+        "expected a checkpoint written by the same config"
+    )
+
+
+def check_compatible(path: Path, model: torch.nn.Module) -> None:
+    """Compare the checkpoint's recorded parameter shapes with ``model`` (which
+    may still be on the meta device) without reading any tensor data."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved_params = {
+        key.removeprefix("model."): entry.size
+        for key, entry in saved.items()
+        if key.startswith("model.") and hasattr(entry, "size")
+    }
+    for name, param in model.named_parameters():
+        if name not in saved_params:
+            raise _mismatch(path, f"it has no model.{name}")
+        if tuple(saved_params[name]) != tuple(param.shape):
+            raise _mismatch(
+                path,
+                f"model.{name} is {tuple(saved_params[name])} there, {tuple(param.shape)} here",
+            )
+    expected = {name for name, _ in model.named_parameters()}
+    extra = sorted(n for n in saved_params if n not in expected and not _is_buffer(model, n))
+    if extra:
+        raise _mismatch(path, f"it has model.{extra[0]}, which this model lacks")
+
+
+def _is_buffer(model: torch.nn.Module, name: str) -> bool:
+    return name in dict(model.named_buffers())
+
+
 def _root_cause(err: BaseException) -> str:
     """The first rank's underlying error, on one line."""
     failures = getattr(err, "failures", None)
@@ -133,10 +167,7 @@ def load_checkpoint(
     try:
         dcp.load(state, checkpoint_id=str(path))
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
-        raise CheckpointError(
-            f"checkpoint {str(path)!r} does not match this model or optimizer "
-            f"({_root_cause(err)}); expected a checkpoint written by the same config"
-        ) from None
+        raise _mismatch(path, _root_cause(err)) from None
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

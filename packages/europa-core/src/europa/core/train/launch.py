@@ -12,12 +12,13 @@ import uuid
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.errors import LaunchError, WorkerFailed
+from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_layout import SUMMARY_FILE
+from europa.core.run_layout import SUMMARY_FILE, worker_error_file
 from europa.core.train.batches import build_batches
+from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
 from europa.core.train.resources import check_fits
 from europa.core.train.run_dir import default_run_dir, prepare_run_dir
@@ -28,7 +29,12 @@ WORKER_MODULE = "europa.core.train.worker"
 STOP_GRACE_SECONDS = 600
 
 
-def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: int) -> None:
+def preflight(
+    config: EuropaConfig,
+    plugins: EuropaPluginManager,
+    world_size: int,
+    resume_from: Path | None = None,
+) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later."""
     import torch
 
@@ -42,6 +48,9 @@ def preflight(config: EuropaConfig, plugins: EuropaPluginManager, world_size: in
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, count_parameters(model), torch.device("cpu"), world_size, world_size)
     build_batches(config, dp_rank=0, dp_world=r * s)
+    if resume_from is not None:
+        _, path = checkpoint_to_resume(resume_from, config.training.steps)
+        check_compatible(path, model)
 
 
 def train(
@@ -64,8 +73,8 @@ def train(
     world = nproc if nproc is not None else config.parallel.nproc
     if world < 1:
         raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
-    preflight(config, plugins, world)
     run_dir = run_dir or default_run_dir(config)
+    preflight(config, plugins, world, resume_from=run_dir if resume else None)
     prepare_run_dir(config, run_dir, resume=resume)
     if world == 1:
         from europa.core.train.loop import run_training
@@ -122,6 +131,9 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
         elastic_launch(launch, sys.executable)(*args)
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
+        report = worker_error_file(run_dir, rank)
+        if report.is_file():  # a user-facing error, the same on every rank that hit it
+            raise LaunchedRunError(report.read_text().strip()) from None
         raise WorkerFailed(
             f"worker rank {rank} exited with code {failure.exitcode}; its error is printed "
             f"above (run directory {str(run_dir)!r})",

@@ -4,10 +4,12 @@ from the run directory and trains as the rank torch's launcher assigned."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 from europa.core.errors import EuropaError
+from europa.core.run_layout import worker_error_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +33,10 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         run_training(config, args.run_dir, place, plugins, resume=args.resume)
     except EuropaError as err:
-        print(f"europa: error (worker): {err}", file=sys.stderr)
+        # The launcher prints the first failed rank's line, once, for all ranks.
+        report = worker_error_file(args.run_dir, int(os.environ.get("RANK", "0")))
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text(f"{err}\n")
         return 2
     except KeyboardInterrupt:
         return 130  # Ctrl-C reached every process; the launcher reports it once
