@@ -127,7 +127,8 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
         for key, entry in saved.items()
         if key.startswith("model.") and hasattr(entry, "size")
     }
-    for name, param in model.named_parameters():
+    params = dict(model.named_parameters())
+    for name, param in params.items():
         if name not in saved_params:
             raise _mismatch(path, f"it has no model.{name}")
         if tuple(saved_params[name]) != tuple(param.shape):
@@ -135,14 +136,10 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
                 path,
                 f"model.{name} is {tuple(saved_params[name])} there, {tuple(param.shape)} here",
             )
-    expected = {name for name, _ in model.named_parameters()}
-    extra = sorted(n for n in saved_params if n not in expected and not _is_buffer(model, n))
+    known = params.keys() | {name for name, _ in model.named_buffers()}
+    extra = sorted(saved_params.keys() - known)
     if extra:
         raise _mismatch(path, f"it has model.{extra[0]}, which this model lacks")
-
-
-def _is_buffer(model: torch.nn.Module, name: str) -> bool:
-    return name in dict(model.named_buffers())
 
 
 def _root_cause(err: BaseException) -> str:

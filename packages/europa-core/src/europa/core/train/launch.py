@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import uuid
 from pathlib import Path
@@ -16,7 +17,7 @@ from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_layout import SUMMARY_FILE, worker_error_file
+from europa.core.run_layout import SUMMARY_FILE, WORKER_ERRORS, worker_error_file
 from europa.core.train.batches import build_batches
 from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
@@ -127,6 +128,8 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
         shutdown_timeout=STOP_GRACE_SECONDS,
     )
     args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    # Reports from an earlier attempt in this run directory must not be taken for this one's.
+    shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
     try:
         elastic_launch(launch, sys.executable)(*args)
     except ChildFailedError as err:
