@@ -13,7 +13,7 @@ from europa.core.job import Job
 from europa.core.model import build_moe_model
 from europa.core.model.materialise import materialise
 from europa.core.optim import MuonWithAdamW
-from europa.core.plugins.builtin import checkpointing, fsdp, optimizer
+from europa.core.plugins.builtin import activation_checkpointing, fsdp, optimizer
 from europa.core.session import open_session
 
 
@@ -30,7 +30,7 @@ def _model(job: Job) -> torch.nn.Module:
 
 def _attention_calls_in_one_step(job: Job) -> int:
     model = _model(job)
-    checkpointing.europa_wrap_model(job=job, model=model)
+    activation_checkpointing.europa_wrap_model(job=job, model=model)
     calls = []
     model.layers["1"].attention.register_forward_hook(lambda *_: calls.append(1))
     model(torch.randint(0, 2048, (1, 8))).sum().backward()

@@ -7,8 +7,8 @@ import torch
 
 from europa.core.config import load_config
 from europa.core.errors import CheckpointError, ConfigError
+from europa.core.run_dir import prepare_run_dir
 from europa.core.train import checkpoint
-from europa.core.train.run_dir import prepare_run_dir
 
 
 def _fake_checkpoint(run_dir, step, complete=True):

@@ -21,7 +21,7 @@ from europa.core.data import (
     load_documents,
     load_tokenizer,
 )
-from europa.core.data.packing import MAX_SEED
+from europa.core.seeds import MAX_SEED
 
 EXPECTED_PATH = "expected a .txt file, a .jsonl file or a directory containing them"
 EXPECTED_LINE = 'expected one JSON object per line with a string "text" field'

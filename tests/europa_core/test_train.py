@@ -170,8 +170,8 @@ def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
 def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capfd):
     from europa.core.config import load_config
     from europa.core.errors import LaunchedRunError
+    from europa.core.run_dir import prepare_run_dir
     from europa.core.train.launch import launch_local_workers
-    from europa.core.train.run_dir import prepare_run_dir
 
     run_dir = tmp_path / "run"
     prepare_run_dir(load_config("tiny"), run_dir, resume=False)

@@ -11,7 +11,7 @@ import typer
 
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
 from europa.core.plugins import EuropaPluginManager
-from europa.core.run_layout import CONFIG_FILE, SUMMARY_FILE
+from europa.core.run_dir import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
 
 

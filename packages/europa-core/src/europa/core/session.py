@@ -8,7 +8,7 @@ from pathlib import Path
 
 from europa.core.config import EuropaConfig, load_config
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_layout import CONFIG_FILE
+from europa.core.run_dir import CONFIG_FILE
 
 
 def open_session(

@@ -7,9 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from europa.core.config.fields import ConfigSection, setting
-
-# torch's CPU generator keeps 32 bits of a seed; data adds the epoch to its seed.
-MAX_SEED = 2**31 - 1
+from europa.core.seeds import MAX_SEED
 
 
 @dataclass(kw_only=True)

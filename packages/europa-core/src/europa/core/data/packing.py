@@ -9,6 +9,7 @@ from tokenizers import Tokenizer
 
 from europa.core.data.documents import DataError
 from europa.core.data.tokenizer import EOS_TOKEN
+from europa.core.seeds import MAX_SEED
 
 _ENCODE_CHUNK = 1024  # documents per encode_batch call, to bound the memory of Encoding objects
 
@@ -70,12 +71,6 @@ class PackedSequences:
             raise IndexError(f"sequence {index} out of range for {self.num_sequences} sequences")
         window = self.windows[index]
         return window[:-1].clone(), window[1:].clone()
-
-
-# Epoch e is shuffled by a generator seeded with seed + e. The CPU generator
-# keeps only 32 bits of its seed (2**32 shuffles like 0), so seeds stay below
-# 2**31 and seed + epoch never wraps onto another run's order.
-MAX_SEED = 2**31 - 1
 
 
 class RankBatches:

@@ -10,7 +10,6 @@ that do not cast to bf16.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 
 import torch
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
@@ -20,10 +19,6 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 from europa.core.config.schema import ModelConfig
 from europa.core.model import init
 from europa.core.model.experts import NativeDtypeGroupedExperts
-
-# The router asks for fp32 autocast around its gate; on CPU autocast only knows
-# bf16/fp16, so torch warns on every forward. The gate already runs in fp32.
-warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported")
 
 
 def _rope(m: ModelConfig) -> ComplexRoPE.Config:

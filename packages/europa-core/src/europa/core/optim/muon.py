@@ -3,7 +3,8 @@
 Why not ``torch.optim.Muon``: it accepts only 2-D parameters (routed experts
 are stacked ``[experts, rows, cols]`` tensors, most of an MoE's weights), it
 always orthogonalises in bf16 (which a CPU without bf16 units runs 10-50x
-slower, DESIGN.md), and it does not know that a sharded matrix must be whole
+slower: ``benchmarks/expert_dtype.py`` measures the bf16 matmul on your machine),
+and it does not know that a sharded matrix must be whole
 before it is orthogonalised. This implementation uses the same quintic
 Newton–Schulz iteration and coefficients in the parameter's dtype, treats a
 3-D parameter as a batch of independent matrices, and works on FSDP2's

@@ -33,7 +33,7 @@ _BUILTIN_MODULES = (
     ("core.model", "europa.core.plugins.builtin.model"),
     ("core.fsdp2", "europa.core.plugins.builtin.fsdp"),
     ("core.optimizer", "europa.core.plugins.builtin.optimizer"),
-    ("core.activation_checkpointing", "europa.core.plugins.builtin.checkpointing"),
+    ("core.activation_checkpointing", "europa.core.plugins.builtin.activation_checkpointing"),
 )
 
 

@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from europa.core.errors import CheckpointError, ConfigError
-from europa.core.run_layout import CHECKPOINTS
+from europa.core.run_dir import CHECKPOINTS
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"

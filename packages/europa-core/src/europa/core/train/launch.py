@@ -17,12 +17,17 @@ from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
 from europa.core.job import Job
 from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_layout import SUMMARY_FILE, WORKER_ERRORS, worker_error_file
+from europa.core.run_dir import (
+    SUMMARY_FILE,
+    WORKER_ERRORS,
+    default_run_dir,
+    prepare_run_dir,
+    worker_error_file,
+)
 from europa.core.train.batches import build_batches
 from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
 from europa.core.train.resources import check_fits
-from europa.core.train.run_dir import default_run_dir, prepare_run_dir
 
 WORKER_MODULE = "europa.core.train.worker"
 # How long a stop signal leaves workers to finish a step and checkpoint

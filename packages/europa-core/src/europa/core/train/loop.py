@@ -7,6 +7,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import materialise
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_layout import SUMMARY_FILE
+from europa.core.run_dir import SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import build_batches
 from europa.core.train.distributed import (
@@ -226,6 +227,10 @@ def run_training(
             device=device,
             mesh=mesh,
         )
-        return Trainer(job, plugins, resume).run()
+        with warnings.catch_warnings():
+            # torchtitan's router asks for fp32 autocast around its gate; CPU autocast
+            # knows only bf16/fp16 and warns on every forward. The gate runs in fp32.
+            warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
+            return Trainer(job, plugins, resume).run()
     finally:
         shutdown()

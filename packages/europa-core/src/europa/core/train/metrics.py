@@ -8,7 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from europa.core.run_layout import METRICS_FILE
+from europa.core.run_dir import METRICS_FILE
 
 
 def truncate_after(run_dir: Path, step: int) -> None:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from europa.core.errors import EuropaError
-from europa.core.run_layout import worker_error_file
+from europa.core.run_dir import worker_error_file
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,17 +1,34 @@
-"""The run directory: resolved config, metrics, checkpoints, summary."""
+"""The run directory: what it holds, where it goes, and how it is created.
+
+Layout: ``config.toml`` (the resolved config), ``metrics.jsonl`` (one record per
+step), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints; ``.partial``
+folders are never loaded), ``summary.json`` and ``worker-errors/rank-N.txt``
+(a worker's one-line error, read by the launcher). The names import nothing
+heavy, so the CLI can use them without torch.
+"""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from europa.core.config import EuropaConfig, config_to_toml
 from europa.core.errors import ConfigError
-from europa.core.run_layout import CONFIG_FILE
-from europa.core.train.checkpoint import checkpoint_to_resume
 
+if TYPE_CHECKING:
+    from europa.core.config import EuropaConfig
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+CHECKPOINTS = "checkpoints"
+WORKER_ERRORS = "worker-errors"
 RUNS_ROOT = Path("runs")
+
+
+def worker_error_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / WORKER_ERRORS / f"rank-{rank}.txt"
 
 
 def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None) -> Path:
@@ -25,6 +42,9 @@ def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None)
 
 def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
     """Create (or, on resume, check) the run directory and write the resolved config."""
+    from europa.core.config import config_to_toml
+    from europa.core.train.checkpoint import checkpoint_to_resume  # torch: only when training
+
     if resume:
         checkpoint_to_resume(run_dir, config.training.steps)
     elif run_dir.exists() and any(run_dir.iterdir()):
