@@ -21,7 +21,12 @@ from europa.core.session import open_session
 
 BUILTINS = {
     "core.model": ["europa_build_model"],
-    "core.fsdp2": ["europa_shard_model"],
+    "core.fsdp2": [
+        "europa_checkpoint_state",
+        "europa_clip_gradients",
+        "europa_init_parameters",
+        "europa_shard_model",
+    ],
     "core.optimizer": ["europa_build_optimizer"],
     "core.activation_checkpointing": ["europa_config_sections", "europa_wrap_model"],
 }

@@ -32,7 +32,8 @@ def _save_twice_and_interrupt(tmp_path):
     model(torch.randn(4, 3)).sum().backward()
     optimizer.step()
     for step in (1, 2, 3):
-        checkpoint.save_checkpoint(tmp_path, step, model, optimizer, {"step": step}, keep=2)
+        state = checkpoint.TorchDistributedState(model, optimizer)
+        checkpoint.save_checkpoint(tmp_path, step, state, {"step": step}, keep=2)
     return model, optimizer
 
 
@@ -46,7 +47,9 @@ def test_save_keeps_the_newest_and_round_trips(tmp_path):
     restored(torch.randn(4, 3)).sum().backward()
     restored_opt.step()
     state = checkpoint.load_checkpoint(
-        checkpoint.step_dir(tmp_path, 3), restored, restored_opt, {"step": 0}
+        checkpoint.step_dir(tmp_path, 3),
+        checkpoint.TorchDistributedState(restored, restored_opt),
+        {"step": 0},
     )
     assert state["step"] == 3
     for a, b in zip(model.state_dict().values(), restored.state_dict().values(), strict=True):
@@ -60,7 +63,9 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path):
     other = torch.nn.Linear(5, 2)
     with pytest.raises(CheckpointError) as err:
         checkpoint.load_checkpoint(
-            checkpoint.step_dir(tmp_path, 3), other, torch.optim.AdamW(other.parameters()), {}
+            checkpoint.step_dir(tmp_path, 3),
+            checkpoint.TorchDistributedState(other, torch.optim.AdamW(other.parameters())),
+            {},
         )
     assert "\n" not in str(err.value)
     assert "does not match this model or optimizer (Size mismatch between saved" in str(err.value)

@@ -142,3 +142,53 @@ def test_sharded_initialisation_equals_single_process_initialisation(ranks):
     for name, full in reference.named_parameters():
         for rank_view in gathered:
             assert torch.equal(rank_view[name], full.detach()), name
+
+
+def test_each_matrix_is_drawn_from_its_own_seed():
+    from europa.core.model import MatrixInitialiser
+    from europa.core.seeds import matrix_seed
+
+    config, model = _materialised(seed=5)
+    name = "layers.1.moe.routed_experts.inner_experts.w1_EFD"
+    stacked = dict(model.named_parameters())[name]
+    alone = torch.empty(stacked.shape[1:])
+    MatrixInitialiser(build_moe_model(config.model), seed=5)(name, 3, alone)
+    assert torch.equal(alone, stacked[3].detach())
+    std = 0.02  # w1 of every layer: torchtitan's DeepSeek-V3 base std
+    expected = torch.nn.init.trunc_normal_(
+        torch.empty(stacked.shape[1:]),
+        std=std,
+        generator=torch.Generator().manual_seed(matrix_seed(5, name, 3)),
+    )
+    assert torch.equal(alone, expected)
+
+
+class _PlainNet(torch.nn.Module):
+    """No torchtitan param_init anywhere: initialised through reset_parameters()."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Linear(4, 6)
+        self.second = torch.nn.Linear(6, 3)
+
+
+def test_a_model_without_param_init_falls_back_to_reset_parameters():
+    with torch.device("meta"):
+        model = _PlainNet()
+    materialise(model, torch.device("cpu"), seed=7)
+    with torch.device("meta"):
+        again = _PlainNet()
+    materialise(again, torch.device("cpu"), seed=7)
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    bound = 1 / 4**0.5  # nn.Linear's reset_parameters: U(-1/sqrt(in), 1/sqrt(in))
+    assert model.first.weight.abs().max() <= bound
+    assert model.first.weight.std() > 0.1
+    assert not torch.equal(model.first.weight[:3], model.second.weight[:, :4])
+
+
+def test_a_model_without_moe_layers_has_no_expert_load():
+    from europa.core.model import update_expert_bias
+
+    load = update_expert_bias(torch.nn.Linear(2, 2))
+    assert load.shares == {} and load.imbalance() == {}

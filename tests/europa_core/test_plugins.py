@@ -12,6 +12,7 @@ import inspect
 import re
 import sys
 import textwrap
+import types
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -48,22 +49,22 @@ def europa_build_model(job):
     return "{name}-model"
 """
 
+# A table declared with the standard library alone: the plugin imports no europa code.
 GAMMA_TABLE = """
-from dataclasses import dataclass
-
-from europa.core.config import ConfigSection, setting
+from dataclasses import dataclass, field
 
 
 @dataclass(kw_only=True)
 class GammaConfig:
-    depth: int = setting(2, ge=1, doc="how deep")
-    mode: str = setting("fast", choices=("fast", "slow"))
-    ratio: float = setting(0.5, ge=0, le=1)
+    depth: int = field(default=2, metadata={{"ge": 1, "doc": "how deep"}})
+    mode: str = field(default="fast", metadata={{"choices": ("fast", "slow")}})
+    ratio: float = field(default=0.5, metadata={{"ge": 0, "le": 1}})
+    tags: list[str] = field(default_factory=list)
 
 
 @hookimpl
 def europa_config_sections():
-    return [ConfigSection("{table}", GammaConfig)]
+    return {{"{table}": GammaConfig}}
 """
 
 Installer = Callable[..., None]
@@ -135,7 +136,12 @@ def test_builtins_are_listed_first_and_always_enabled():
     assert all(i.builtin and i.enabled and i.distribution == "europa-core" for i in infos)
     hooks = {i.name: i.hooks for i in infos}
     assert hooks["core.model"] == ("europa_build_model",)
-    assert hooks["core.fsdp2"] == ("europa_shard_model",)
+    assert hooks["core.fsdp2"] == (
+        "europa_checkpoint_state",
+        "europa_clip_gradients",
+        "europa_init_parameters",
+        "europa_shard_model",
+    )
     assert hooks["core.optimizer"] == ("europa_build_optimizer",)
     assert hooks["core.activation_checkpointing"] == (
         "europa_config_sections",
@@ -459,9 +465,12 @@ def test_every_hook_docstring_states_how_it_is_called():
         "europa_build_model",
         "europa_shard_model",
         "europa_wrap_model",
+        "europa_init_parameters",
         "europa_build_optimizer",
         "europa_step_context",
+        "europa_clip_gradients",
         "europa_after_step",
+        "europa_checkpoint_state",
         "europa_plan",
         "europa_register_commands",
     }
@@ -477,7 +486,14 @@ def test_every_hook_docstring_states_how_it_is_called():
 
 def test_pick_one_hooks_are_the_firstresult_ones():
     firstresult = {n for n, fn in _specs().items() if fn.europa_spec["firstresult"]}
-    assert firstresult == {"europa_build_model", "europa_shard_model", "europa_build_optimizer"}
+    assert firstresult == {
+        "europa_build_model",
+        "europa_shard_model",
+        "europa_init_parameters",
+        "europa_build_optimizer",
+        "europa_clip_gradients",
+        "europa_checkpoint_state",
+    }
     # Declarations are read per plugin after every plugin is registered, so no
     # hook needs pluggy's historic replay.
     assert {n for n, fn in _specs().items() if fn.europa_spec["historic"]} == set()
@@ -489,7 +505,114 @@ def test_builtins_pass_check_pending_and_yield_pick_one_roles():
     for name, module_path in _BUILTIN_MODULES:
         pm.register(importlib.import_module(module_path), name=name)
     pm.check_pending()
-    for hook_name in ("europa_build_model", "europa_shard_model", "europa_build_optimizer"):
+    firstresult = [n for n, fn in _specs().items() if fn.europa_spec["firstresult"]]
+    for hook_name in firstresult:
         impls = getattr(pm.hook, hook_name).get_hookimpls()
         assert [impl.trylast for impl in impls] == [True], hook_name
     EuropaPluginManager(load_entry_points=False)  # runs check_pending itself
+
+
+# -- the plugin contract: pluggy and the standard library are enough ------------------------
+
+
+def _europa_modules_seen_by(plugin: object) -> list[str]:
+    return [
+        value.__name__
+        for value in vars(plugin).values()
+        if inspect.ismodule(value) and value.__name__.startswith("europa")
+    ]
+
+
+def test_a_table_declaring_plugin_imports_no_europa_code(install):
+    install("europa-gamma", {"gamma": GAMMA_TABLE.format(table="gamma")})
+    pm = EuropaPluginManager()
+    plugin = next(p for n, p in pm._pm.list_name_plugin() if n == "gamma")
+    assert _europa_modules_seen_by(plugin) == []
+    config, _ = open_session(None, ["gamma.tags=['a', 'b']"], ["gamma"], pm)
+    assert config.section("gamma").tags == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (
+            "@hookimpl\ndef europa_config_sections():\n    return [1]\n",
+            "plugin 'bad': europa_config_sections() returned list; "
+            "expected a dict of name -> dataclass",
+        ),
+        (
+            "@hookimpl\ndef europa_config_sections():\n    return {'bad': dict}\n",
+            "plugin 'bad': europa_config_sections() gives [bad] as <class 'dict'>; "
+            "expected a @dataclass class",
+        ),
+        (
+            "from dataclasses import dataclass, field\n"
+            "@dataclass\nclass T:\n    x: int = field(default=1, metadata={'min': 0})\n"
+            "@hookimpl\ndef europa_config_sections():\n    return {'bad': T}\n",
+            "plugin 'bad': europa_config_sections() [bad] field 'x' has metadata ['min']; "
+            "expected only ['doc', 'ge', 'gt', 'le', 'choices']",
+        ),
+        (
+            "from dataclasses import dataclass\n"
+            "@dataclass\nclass T:\n    x: dict = None\n"
+            "@hookimpl\ndef europa_config_sections():\n    return {'bad': T}\n",
+            "plugin 'bad': europa_config_sections() [bad] field 'x' is annotated <class 'dict'>; "
+            "expected bool, int, float, str or list[...] of one of them",
+        ),
+    ],
+)
+def test_a_badly_declared_table_is_one_line_naming_the_plugin(install, body, message):
+    install("europa-bad", {"bad": body})
+    with pytest.raises(PluginError) as err:
+        EuropaPluginManager().config_sections()
+    assert str(err.value) == message
+
+
+COMMAND = """
+@hookimpl
+def europa_register_commands(app):
+    @app.command("hello")
+    def hello() -> None:
+        print("hello from an installed plugin")
+"""
+
+
+def test_an_installed_plugin_adds_a_command_without_being_enabled(install, capsys):
+    from europa.cli.app import run
+
+    install("europa-hello", {"hello": COMMAND})
+    assert run(["hello"]) == 0
+    assert capsys.readouterr().out == "hello from an installed plugin\n"
+    assert run(["plugins"]) == 0
+    assert "hello  (europa-hello 0.1.0, installed)\n    europa_register_commands" in (
+        capsys.readouterr().out
+    )
+
+
+MARKERS = """
+@hookimpl(specname="europa_after_step", tryfirst=True)
+def record_first(job, step, metrics):
+    metrics.setdefault("order", []).append("{name}")
+"""
+
+
+def test_specname_and_tryfirst_are_honoured(install):
+    install("europa-alpha", {"alpha": AFTER_STEP.format(name="alpha")})
+    install("europa-zeta", {"zeta": MARKERS.format(name="zeta")})
+    pm = EuropaPluginManager()
+    assert _external(pm)["zeta"].hooks == ("europa_after_step",)
+    pm.enable(["alpha", "zeta"])
+    metrics: dict[str, object] = {}
+    pm.hook.europa_after_step(job=None, step=1, metrics=metrics)
+    assert metrics == {"order": ["zeta"], "alpha_seen": 1}
+    impls = [impl.plugin_name for impl in pm.hook.europa_after_step.get_hookimpls()]
+    assert impls[-1] == "zeta"  # tryfirst: called first, listed last by pluggy
+
+
+def test_a_disabled_name_is_blocked_for_later_registration():
+    plugin = types.ModuleType("europa_fake_blocked")
+    pm = EuropaPluginManager(
+        environ={DISABLE_ENV: "alpha"}, extra_plugins=[("alpha", plugin, "europa-alpha", "1")]
+    )
+    assert "alpha" not in _external(pm)
+    assert pm._pm.is_blocked("alpha")

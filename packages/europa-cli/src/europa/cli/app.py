@@ -25,7 +25,7 @@ def build_app(manager: EuropaPluginManager) -> typer.Typer:
     train_cmd.register(app, manager)
     plugins_cmd.register(app, manager)
     config_cmd.register(app, manager)
-    manager.hook.europa_register_commands(app=app)
+    manager.all_hooks.europa_register_commands(app=app)  # every installed plugin, enabled or not
     return app
 
 

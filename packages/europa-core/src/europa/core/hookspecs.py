@@ -7,9 +7,15 @@ refused at start-up (built-in defaults are registered ``trylast`` and yield).
 Every other hook is "all run": each enabled implementation is called. (No
 hook is ``historic``: plugins are all registered before the first call.)
 
-Order within a run: config → build → shard → wrap → (materialise) →
-optimizer → step ... → after_step; plan runs instead of build..step for
-``europa plan``; cli runs when the command line is assembled.
+Order within a run: config → build → shard → wrap → materialise →
+optimizer → step ... (clip, after_step) → checkpoint; plan runs instead of
+build..step for ``europa plan``; cli runs when the command line is assembled.
+
+The layout that wins ``europa_shard_model`` decides where parameters live, so
+it also answers the hooks that depend on that: ``europa_init_parameters``,
+``europa_clip_gradients`` and ``europa_checkpoint_state``. Core's defaults
+handle plain tensors and DTensors (FSDP2); a layout with its own storage
+(europa-flexshard) implements all four.
 """
 
 from __future__ import annotations
@@ -19,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
     from contextlib import AbstractContextManager
 
     import torch
 
-    from europa.core.config.fields import ConfigSection
     from europa.core.job import Job
 
 hookspec = pluggy.HookspecMarker("europa")
@@ -35,16 +41,17 @@ hookimpl = pluggy.HookimplMarker("europa")
 
 
 @hookspec
-def europa_config_sections() -> list[ConfigSection]:
-    """Declare this plugin's TOML tables (all run).
+def europa_config_sections() -> dict[str, type] | None:
+    """Declare this plugin's TOML tables (all run): ``{"table": SomeDataclass}``.
 
-    Return ``ConfigSection(name, dataclass)`` items; every field of the
-    dataclass is a key with a typed default (declare fields with
-    ``europa.core.config.setting`` for bounds and choices, or plain defaults).
-    The manager asks each plugin separately, so it records which plugin owns
-    which table; a table set for a plugin that is not enabled is refused.
-    Installed plugins are all asked, enabled or not, so ``europa config show``
-    knows every table.
+    Each table is a plain ``@dataclass``; each field is a key, typed by its
+    annotation (bool, int, float, str or a list of one of them), with its
+    default. Bounds and docs go in ``dataclasses.field(metadata={...})`` as a
+    plain dict with any of the keys ``doc``, ``ge``, ``gt``, ``le``,
+    ``choices``, so a plugin needs only the standard library. The manager asks
+    each plugin separately, so it records which plugin owns which table; a
+    table set for a plugin that is not enabled is refused. Installed plugins
+    are all asked, enabled or not, so ``europa config show`` knows every table.
     """
 
 
@@ -57,9 +64,10 @@ def europa_config_sections() -> list[ConfigSection]:
 def europa_build_model(job: Job) -> torch.nn.Module | None:
     """Build the model on the meta device (firstresult; core's MoE is the default).
 
-    Parameters must not be allocated here: sharding comes first, then the core
-    materialises and initialises them with ``model.init_states()`` or
-    ``reset_parameters()``.
+    Parameters must not be allocated here: sharding comes first, then the
+    layout allocates them and core initialises every matrix (see
+    ``europa_init_parameters``) from torchtitan's ``param_init`` of its module
+    or, for a module without one, from its ``reset_parameters()``.
     """
 
 
@@ -95,6 +103,26 @@ def europa_wrap_model(job: Job, model: torch.nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------
+# materialise
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def europa_init_parameters(
+    job: Job, model: torch.nn.Module, init_matrix: Callable[[str, int, torch.Tensor], None]
+) -> bool | None:
+    """Allocate this rank's parameters on ``job.device`` and fill them (firstresult).
+
+    Called after wrap. ``init_matrix(name, index, out)`` fills the tensor
+    ``out`` with matrix ``index`` of parameter ``name`` (the expert index of a
+    stacked ``[E, rows, cols]`` tensor, 0 for any other tensor), with the same
+    numbers for every layout and world size; call it for each matrix this rank
+    holds. Return True. Core's default handles plain and DTensor parameters;
+    buffers are core's and are filled afterwards.
+    """
+
+
+# --------------------------------------------------------------------------------------
 # optimizer
 # --------------------------------------------------------------------------------------
 
@@ -122,12 +150,43 @@ def europa_step_context(job: Job, step: int) -> AbstractContextManager[Any] | No
     """
 
 
+@hookspec(firstresult=True)
+def europa_clip_gradients(job: Job, model: torch.nn.Module, max_norm: float) -> float | None:
+    """Clip all gradients to a total 2-norm of ``max_norm`` (firstresult).
+
+    ``max_norm = 0`` only measures. Return the total norm before clipping, the
+    same on every rank: the norm of the whole model's gradient, each parameter
+    counted once however it is laid out. Core's default handles plain and
+    DTensor parameters.
+    """
+
+
 @hookspec
 def europa_after_step(job: Job, step: int, metrics: dict[str, Any]) -> None:
     """Called on every rank after the optimizer step (all run).
 
     ``metrics`` is the record about to be written to ``metrics.jsonl``; a
     plugin may add keys of its own (prefix them with its name).
+    """
+
+
+# --------------------------------------------------------------------------------------
+# checkpoint
+# --------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def europa_checkpoint_state(
+    job: Job, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Any:
+    """The model and optimizer state that checkpoints hold (firstresult).
+
+    Return an object with ``state_dict()``, giving ``{"model": {...},
+    "optim": {...}}`` for torch.distributed.checkpoint (tensors as DTensors,
+    ShardedTensors, or plain tensors equal on every rank; model tensors keyed
+    by parameter name with their full shape), and ``load_state_dict(state)``,
+    which takes that mapping back after DCP has filled it in place. Core's
+    default uses torch's ``get_state_dict``/``set_state_dict``.
     """
 
 

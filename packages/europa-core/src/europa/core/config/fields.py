@@ -1,8 +1,11 @@
-"""Declaring config settings: a dataclass field plus the bounds the validator enforces.
+"""Declaring config settings with the standard library alone.
 
-Every table (core or plugin) is a plain dataclass whose fields are declared with
-``setting``. The validator reads the annotations for types and the metadata for
-bounds and choices, so one declaration drives parsing, checking and docs.
+A table is a plain ``@dataclass``. A field may carry, as a plain dict in
+``dataclasses.field(metadata=...)``, any of the keys ``doc``, ``ge``, ``gt``,
+``le`` and ``choices``; the validator reads the annotations for types and these
+keys for bounds, so one declaration drives parsing, checking and docs. A plugin
+writes that dict itself and needs no europa import; ``setting`` is core's
+shorthand for the same field.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import MISSING, dataclass
 from typing import Any
+
+BOUND_KEYS = ("doc", "ge", "gt", "le", "choices")
 
 
 @dataclass(frozen=True)
@@ -31,7 +36,8 @@ def setting(
     choices: tuple[Any, ...] | None = None,
 ) -> Any:
     """A config field. Without a default the key must come from the preset or the file."""
-    metadata = {"europa": Bounds(ge=ge, gt=gt, le=le, choices=choices, doc=doc)}
+    given = {"doc": doc, "ge": ge, "gt": gt, "le": le, "choices": choices}
+    metadata = {key: value for key, value in given.items() if value not in (None, "")}
     if isinstance(default, list):
         frozen = tuple(default)
         return dataclasses.field(default_factory=lambda: list(frozen), metadata=metadata)
@@ -39,7 +45,10 @@ def setting(
 
 
 def bounds_of(field: dataclasses.Field) -> Bounds:
-    return field.metadata.get("europa", Bounds())
+    found = {key: field.metadata[key] for key in BOUND_KEYS if key in field.metadata}
+    if found.get("choices") is not None:
+        found["choices"] = tuple(found["choices"])
+    return Bounds(**found)
 
 
 @dataclass(frozen=True)

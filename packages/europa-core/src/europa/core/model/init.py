@@ -1,5 +1,12 @@
 """Initialisation of the EUROPA MoE (DeepSeek-V3's scheme): truncated normal
-with std 0.02, output projections scaled down with depth, unit norms."""
+with std 0.02, output projections scaled down with depth, unit norms.
+
+These are the values of torchtitan's own DeepSeek-V3 initialisers, which
+torchtitan 0.3.0 keeps private (``_LINEAR_INIT``, ``_depth_init``, ... in
+``torchtitan.models.deepseek_v3``); its public ``depth_scaled_std`` is used
+for the depth scaling. ``europa.core.model.materialise`` calls them one matrix
+at a time with a seeded generator.
+"""
 
 from __future__ import annotations
 

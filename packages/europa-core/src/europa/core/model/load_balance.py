@@ -6,6 +6,11 @@ micro-batches), each expert's routing bias moves by ``coeff`` toward balance,
 and the counts reset. Only the *signs* of (mean - count) matter, and the
 reported load is a share of the layer's routed tokens, so both are unaffected
 by activation checkpointing counting the recomputed forward a second time.
+
+torchtitan 0.3.0 has the same update only as a closure inside
+``register_moe_load_balancing_hook`` (which needs its ``OptimizersContainer``
+and ``ParallelDims`` and returns no loads), so it is written out here, with
+the per-expert shares it computes on the way returned for ``metrics.jsonl``.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class ExpertLoad:
 
 def _global_counts(model: nn.Module) -> tuple[list[tuple[str, MoE]], torch.Tensor]:
     layers = moe_layers(model)
+    if not layers:
+        return layers, torch.zeros(0, 0)
     counts = torch.stack([moe.tokens_per_expert_E.detach().float() for _, moe in layers])
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
@@ -50,7 +57,8 @@ def _global_counts(model: nn.Module) -> tuple[list[tuple[str, MoE]], torch.Tenso
 def update_expert_bias(model: nn.Module) -> ExpertLoad:
     """Sum this step's counts over ranks, move the biases, reset the counts.
 
-    Call once per optimizer step on every rank (it is a collective)."""
+    Call once per optimizer step on every rank (it is a collective, except in
+    a model without MoE layers, where there is nothing to do)."""
     layers, counts = _global_counts(model)
     totals = counts.sum(dim=1, keepdim=True).clamp_min(1.0)
     shares = counts / totals

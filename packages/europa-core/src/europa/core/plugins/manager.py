@@ -3,9 +3,18 @@
 Built-in defaults (model, FSDP2 sharding, optimizer, activation checkpointing)
 are always registered and implement pick-one hooks ``trylast``, so an enabled
 technique plugin takes over their role. Plugins from the ``europa`` entry-point
-group are loaded at start-up (minus those named in ``EUROPA_DISABLE_PLUGINS``)
-so that ``europa plugins`` can list them and their config tables are known,
-but their hooks only run once switched on through ``plugins.enabled`` / ``-p``.
+group are loaded and registered with pluggy at start-up, all of them:
+
+* ``all_hooks`` (pluggy's own ``pm.hook``) reaches every installed plugin; it
+  serves declarations, which must not depend on what a run enables: config
+  tables (``europa config show`` knows every table) and CLI commands.
+* ``hook`` reaches the built-ins and the *enabled* plugins only (pluggy's
+  ``subset_hook_caller``); it is what a run calls.
+* Names in ``EUROPA_DISABLE_PLUGINS`` are never imported and are blocked in
+  pluggy (``set_blocked``), so nothing can register them later.
+
+Every call goes through pluggy's hook callers, never through attributes of a
+plugin module, so ``tryfirst``/``trylast``, ``specname`` and wrappers hold.
 """
 
 from __future__ import annotations
@@ -21,6 +30,7 @@ from typing import Any
 import pluggy
 
 from europa.core import hookspecs
+from europa.core.config.declared import declared_sections
 from europa.core.config.fields import ConfigSection
 from europa.core.config.loader import CORE_OWNER
 from europa.core.config.schema import CORE_SECTIONS
@@ -56,19 +66,24 @@ def disabled_by_env(environ: dict[str, str] | None = None) -> set[str]:
     return {name.strip() for name in raw.split(",") if name.strip()}
 
 
-def _pick_one_hooks() -> list[str]:
-    return [
-        name
-        for name in dir(hookspecs)
-        if name.startswith("europa_")
-        and getattr(getattr(hookspecs, name), "europa_spec", {}).get("firstresult")
-    ]
+class _EnabledHooks:
+    """``pm.hook`` minus the installed plugins that are not switched on."""
 
+    def __init__(self, pm: pluggy.PluginManager, silenced: Sequence[object]) -> None:
+        self._pm = pm
+        self._silenced = list(silenced)
+        self._callers: dict[str, Any] = {}
 
-def _hook_names(plugin: object) -> tuple[str, ...]:
-    return tuple(
-        sorted(n for n in dir(plugin) if n.startswith("europa_") and callable(getattr(plugin, n)))
-    )
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        caller = self._callers.get(name)
+        if caller is None:
+            if not hasattr(self._pm.hook, name):
+                raise AttributeError(f"no europa hook named {name!r}")
+            caller = self._pm.subset_hook_caller(name, remove_plugins=self._silenced)
+            self._callers[name] = caller
+        return caller
 
 
 class EuropaPluginManager:
@@ -86,11 +101,13 @@ class EuropaPluginManager:
         self._disabled = disabled_by_env(environ)
         self._external: dict[str, tuple[object, str, str]] = {}
         self._builtin: dict[str, object] = {}
-        self._enabled: set[str] = set()
+        self._enabled: tuple[str, ...] = ()
         for name, module_path in _BUILTIN_MODULES:
             module = importlib.import_module(module_path)
             self._pm.register(module, name=name)
             self._builtin[name] = module
+        for name in self._disabled - {"*"} - self._builtin.keys():
+            self._pm.set_blocked(name)
         if load_entry_points and "*" not in self._disabled:
             for entry_point in metadata.entry_points(group=ENTRY_POINT_GROUP):
                 if entry_point.name not in self._disabled:
@@ -103,9 +120,7 @@ class EuropaPluginManager:
             name = self._pm.get_name(err.plugin) or repr(err.plugin)
             dist = self._external.get(name, (None, CORE_OWNER))[1]
             raise self._invalid(name, dist, err) from None
-        # Validated against the specs above; silent until enable() switches them on.
-        for plugin, _, _ in self._external.values():
-            self._pm.unregister(plugin)
+        self._hooks = self._hooks_for(())
 
     # -- loading ------------------------------------------------------------------------
 
@@ -131,10 +146,11 @@ class EuropaPluginManager:
                 "expected unique plugin names"
             )
         try:
-            self._pm.register(plugin, name=name)
+            registered = self._pm.register(plugin, name=name)
         except pluggy.PluginValidationError as err:
             raise self._invalid(name, dist, err) from None
-        self._external[name] = (plugin, dist, version)
+        if registered is not None:  # None: blocked by EUROPA_DISABLE_PLUGINS
+            self._external[name] = (plugin, dist, version)
 
     @staticmethod
     def _invalid(name: str, dist: str, err: pluggy.PluginValidationError) -> PluginError:
@@ -145,8 +161,12 @@ class EuropaPluginManager:
 
     # -- enabling -----------------------------------------------------------------------
 
+    def _hooks_for(self, enabled: Sequence[str]) -> _EnabledHooks:
+        silenced = [p for name, (p, _, _) in self._external.items() if name not in enabled]
+        return _EnabledHooks(self._pm, silenced)
+
     def enable(self, names: Iterable[str]) -> None:
-        """Switch on these technique plugins; block every other external one."""
+        """Switch on these technique plugins; silence every other installed one."""
         names = list(dict.fromkeys(names))
         for name in names:
             if name in self._disabled or ("*" in self._disabled and name not in self._builtin):
@@ -161,17 +181,22 @@ class EuropaPluginManager:
                     f"expected one of: {installed}"
                 )
         self._check_roles(names)
-        for name, (plugin, _, _) in self._external.items():
-            registered = self._pm.is_registered(plugin)
-            if name not in names and registered:
-                self._pm.unregister(plugin)
-            elif name in names and not registered:  # switched off by an earlier enable()
-                self._pm.register(plugin, name=name)
-        self._enabled = set(names)
+        self._enabled = tuple(names)
+        self._hooks = self._hooks_for(names)
+
+    def _implemented(self, plugin: object) -> set[str]:
+        return {caller.name for caller in self._pm.get_hookcallers(plugin) or ()}
+
+    def _pick_one_hooks(self) -> list[str]:
+        return [
+            name
+            for name, caller in vars(self._pm.hook).items()
+            if caller.spec is not None and caller.spec.opts.get("firstresult")
+        ]
 
     def _check_roles(self, names: Sequence[str]) -> None:
-        for hook_name in _pick_one_hooks():
-            providers = [n for n in names if hasattr(self._external[n][0], hook_name)]
+        for hook_name in self._pick_one_hooks():
+            providers = [n for n in names if hook_name in self._implemented(self._external[n][0])]
             if len(providers) > 1:
                 first, second = providers[:2]
                 raise PluginError(
@@ -184,24 +209,32 @@ class EuropaPluginManager:
 
     @property
     def hook(self) -> Any:
+        """The built-ins and the enabled plugins: what a run calls."""
+        return self._hooks
+
+    @property
+    def all_hooks(self) -> Any:
+        """Every installed plugin, enabled or not: for declarations (tables, commands)."""
         return self._pm.hook
 
     def config_sections(self) -> list[ConfigSection]:
         """Core tables, then each registered plugin's, tagged with the plugin's owner."""
         sections = list(CORE_SECTIONS)
         seen = {s.name: CORE_OWNER for s in sections}
-        declarers = [(CORE_OWNER, module) for module in self._builtin.values()]
-        declarers += [(name, plugin) for name, (plugin, _, _) in self._external.items()]
-        for owner, plugin in declarers:
-            declare = getattr(plugin, "europa_config_sections", None)
-            for section in (declare() if declare else None) or []:
-                if section.name in seen:
-                    raise PluginError(
-                        f"[{section.name}] is declared by both {seen[section.name]} and "
-                        f"{owner}: expected each config table to have one owner"
-                    )
-                seen[section.name] = owner
-                sections.append(dataclasses.replace(section, owner=owner))
+        registered = [(n, p) for n, p in self._pm.list_name_plugin() if p is not None]
+        for name, plugin in registered:
+            owner = CORE_OWNER if name in self._builtin else name
+            others = [p for _, p in registered if p is not plugin]
+            ask = self._pm.subset_hook_caller("europa_config_sections", remove_plugins=others)
+            for answer in ask():
+                for section in declared_sections(owner, answer):
+                    if section.name in seen:
+                        raise PluginError(
+                            f"[{section.name}] is declared by both {seen[section.name]} and "
+                            f"{owner}: expected each config table to have one owner"
+                        )
+                    seen[section.name] = owner
+                    sections.append(section)
         return sections
 
     def builtin_owners(self) -> set[str]:
@@ -210,12 +243,15 @@ class EuropaPluginManager:
     def plugins(self) -> list[PluginInfo]:
         from europa.core import __version__
 
+        def hooks(plugin: object) -> tuple[str, ...]:
+            return tuple(sorted(self._implemented(plugin)))
+
         infos = [
-            PluginInfo(name, "europa-core", __version__, _hook_names(module), True, True)
+            PluginInfo(name, "europa-core", __version__, hooks(module), True, True)
             for name, module in self._builtin.items()
         ]
         infos += [
-            PluginInfo(name, dist, version, _hook_names(plugin), False, name in self._enabled)
+            PluginInfo(name, dist, version, hooks(plugin), False, name in self._enabled)
             for name, (plugin, dist, version) in sorted(self._external.items())
         ]
         return infos

@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 
 from europa.core.errors import CheckpointError, ConfigError
 from europa.core.run_dir import CHECKPOINTS
@@ -75,25 +76,43 @@ def _is_main() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+class TorchDistributedState:
+    """Core's checkpoint state: torch's ``get_state_dict``/``set_state_dict``,
+    which understand plain modules and FSDP2's DTensors."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
+    state: Stateful,
     trainer_state: dict[str, Any],
     keep: int = 0,
 ) -> Path:
+    """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
+    and the trainer's own state as checkpoint ``step``; every rank calls it."""
     final = step_dir(run_dir, step)
     partial = final.with_name(f".{final.name}.partial")
     if _is_main():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save(
-        {"model": model_state, "optim": optim_state, "trainer": trainer_state},
-        checkpoint_id=str(partial),
-    )
+    dcp.save({**state.state_dict(), "trainer": trainer_state}, checkpoint_id=str(partial))
     _barrier()
     if _is_main():
         (partial / MARKER).write_text(json.dumps({"step": step}) + "\n")
@@ -152,20 +171,13 @@ def _root_cause(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
-def load_checkpoint(
-    path: Path,
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    trainer_state: dict[str, Any],
-) -> dict[str, Any]:
+def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) -> dict[str, Any]:
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
-    model_state, optim_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optim_state, "trainer": dict(trainer_state)}
+    template = state.state_dict()
+    loaded = {**template, "trainer": dict(trainer_state)}
     try:
-        dcp.load(state, checkpoint_id=str(path))
+        dcp.load(loaded, checkpoint_id=str(path))
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         raise _mismatch(path, _root_cause(err)) from None
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
-    )
-    return state["trainer"]
+    state.load_state_dict({key: loaded[key] for key in template})
+    return loaded["trainer"]

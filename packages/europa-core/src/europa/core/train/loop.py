@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from europa.core.config.schema import EuropaConfig
 from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
-from europa.core.model.materialise import materialise
+from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
@@ -43,10 +43,6 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
-def _full(value: torch.Tensor) -> torch.Tensor:
-    return value.full_tensor() if hasattr(value, "full_tensor") else value
-
-
 class Trainer:
     def __init__(self, job: Job, plugins: EuropaPluginManager, resume: bool) -> None:
         self.job = job
@@ -58,12 +54,15 @@ class Trainer:
         self.counts = count_parameters(model)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_fits(cfg, self.counts, job.device, job.world_size, local_ranks)
+        init_matrix = MatrixInitialiser(model, cfg.run.seed)  # full shapes: before sharding
         model = hook.europa_shard_model(job=job, model=model)
         hook.europa_wrap_model(job=job, model=model)
-        materialise(model, job.device, cfg.run.seed)
+        hook.europa_init_parameters(job=job, model=model, init_matrix=init_matrix)
+        init_buffers(model, job.device)
         model.train()
         self.model = model
         self.optimizer = hook.europa_build_optimizer(job=job, model=model)
+        self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=self.optimizer)
         self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_schedule)
         self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
         if job.is_main:
@@ -87,7 +86,7 @@ class Trainer:
 
     def restore(self) -> int:
         _, path = checkpoint.checkpoint_to_resume(self.job.run_dir, self.job.config.training.steps)
-        state = checkpoint.load_checkpoint(path, self.model, self.optimizer, self._trainer_state(0))
+        state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
         return int(state["step"])
 
@@ -95,8 +94,7 @@ class Trainer:
         return checkpoint.save_checkpoint(
             self.job.run_dir,
             step,
-            self.model,
-            self.optimizer,
+            self.state,
             self._trainer_state(step),
             keep=self.job.config.checkpoint.keep,
         )
@@ -117,13 +115,9 @@ class Trainer:
         return total
 
     def _clip(self) -> float:
-        max_norm = self.job.config.training.max_grad_norm
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if max_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
-        return _full(norm).item()
+        return self.plugins.hook.europa_clip_gradients(
+            job=self.job, model=self.model, max_norm=self.job.config.training.max_grad_norm
+        )
 
     def step(self, step: int) -> dict[str, Any]:
         started = time.perf_counter()
@@ -147,7 +141,7 @@ class Trainer:
             "grad_norm": grad_norm,
             "tokens_per_s": self.batches.tokens_per_step / elapsed,
             "step_time_s": elapsed,
-            "expert_imbalance_max": max(imbalance.values()),
+            "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
         }

@@ -9,20 +9,22 @@ is re-gathered for the recompute like any other backward use.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from europa.core.config.fields import ConfigSection, setting
 from europa.core.hookspecs import hookimpl
 
 
 @dataclass(kw_only=True)
 class ActivationCheckpointingConfig:
-    mode: str = setting("none", choices=("none", "full"), doc="full: recompute every block")
+    # Declared as any plugin would: a plain dataclass, bounds in field metadata.
+    mode: str = field(
+        default="none", metadata={"choices": ("none", "full"), "doc": "full: recompute every block"}
+    )
 
 
 @hookimpl
 def europa_config_sections():
-    return [ConfigSection("activation_checkpointing", ActivationCheckpointingConfig)]
+    return {"activation_checkpointing": ActivationCheckpointingConfig}
 
 
 def checkpoint_blocks(model) -> int:

@@ -1,14 +1,18 @@
-"""Default ``europa_shard_model``: FSDP2 over the data-parallel mesh axes.
+"""Core's default layout: FSDP2 over the data-parallel mesh axes.
 
-Each transformer block is one FSDP unit (its parameters are gathered together
-just before it runs and freed after), the embedding/norm/head form the root
-unit. With ``dp_replicate > 1`` the mesh is 2-D and FSDP2 becomes HSDP.
-Works on gloo: gradients use FSDP's default averaging (a custom divide factor
-would need PREMUL_SUM, which gloo lacks).
+``europa_shard_model``: each transformer block is one FSDP unit (its
+parameters are gathered together just before it runs and freed after), the
+embedding/norm/head form the root unit. With ``dp_replicate > 1`` the mesh is
+2-D and FSDP2 becomes HSDP. Works on gloo: gradients use FSDP's default
+averaging (a custom divide factor would need PREMUL_SUM, which gloo lacks).
 
 ``training.dtype = "bfloat16"`` is FSDP2 mixed precision: fp32 master weights
 and optimizer state, bf16 gathered parameters and compute, fp32 gradient
 reduction.
+
+The hooks that depend on where parameters live (init, clipping, checkpoint
+state) have their defaults here too; they handle plain tensors (one process)
+and DTensors, so a third-party DTensor layout needs none of them.
 """
 
 from __future__ import annotations
@@ -51,3 +55,25 @@ def europa_shard_model(job, model):
     fully_shard(model, mesh=mesh, mp_policy=policy)
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
     return model
+
+
+@hookimpl(trylast=True)
+def europa_init_parameters(job, model, init_matrix):
+    from europa.core.model.materialise import init_parameters
+
+    init_parameters(model, job.device, init_matrix)
+    return True
+
+
+@hookimpl(trylast=True)
+def europa_clip_gradients(job, model, max_norm):
+    from europa.core.train.gradients import clip_gradients
+
+    return clip_gradients(model, max_norm)
+
+
+@hookimpl(trylast=True)
+def europa_checkpoint_state(job, model, optimizer):
+    from europa.core.train.checkpoint import TorchDistributedState
+
+    return TorchDistributedState(model, optimizer)

@@ -1,0 +1,18 @@
+"""Gradient clipping for core's layouts (plain and DTensor parameters)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def clip_gradients(model: torch.nn.Module, max_norm: float) -> float:
+    """Clip to a total 2-norm of ``max_norm`` (0: only measure); return the norm
+    before clipping. DTensor gradients give a DTensor norm, reduced over its mesh."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    if max_norm > 0:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False)
+    else:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return norm.item()
