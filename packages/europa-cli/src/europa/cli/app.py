@@ -8,7 +8,7 @@ import sys
 import typer
 
 from europa.cli import config_cmd, plugins_cmd, train_cmd
-from europa.core.errors import EuropaError, WorkerFailed
+from europa.core.errors import WorkerFailed, is_user_error, one_line
 from europa.core.plugins import EuropaPluginManager
 
 USAGE_ERROR = 2
@@ -46,12 +46,14 @@ def run(argv: list[str] | None = None) -> int:
         return err.exit_code
     except typer.Abort:
         return _fail("aborted", 130)
-    except EuropaError as err:
-        return _fail(str(err))
     except WorkerFailed as err:
         return _fail(str(err), err.exit_code)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
+    except Exception as err:  # a plugin's own user-facing errors carry europa_user_error
+        if not is_user_error(err):
+            raise
+        return _fail(one_line(err))
     return result if isinstance(result, int) else 0
 
 

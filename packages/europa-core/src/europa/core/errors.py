@@ -1,9 +1,24 @@
 """Errors a user can cause. Each carries one line that names the key, the value
-and what was expected; the CLI prints it without a traceback and exits 2."""
+and what was expected; the CLI prints it without a traceback and exits 2.
+
+A plugin, which imports no europa code, marks its own user-facing errors the
+same way: an exception class with ``europa_user_error = True``.
+"""
+
+
+def is_user_error(err: BaseException) -> bool:
+    """A user-facing error, from core or from a plugin (``europa_user_error = True``)."""
+    return getattr(err, "europa_user_error", False) is True
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(str(err).split("\n"))
 
 
 class EuropaError(ValueError):
     """Base of every user-facing error. ``str(err)`` is a single line."""
+
+    europa_user_error = True
 
     def __init__(self, message: str) -> None:
         single_line = " ".join(message.split("\n"))

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from europa.core.errors import EuropaError
+from europa.core.errors import is_user_error, one_line
 from europa.core.run_dir import worker_error_file
 
 
@@ -32,11 +32,13 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 2
         run_training(config, args.run_dir, place, plugins, resume=args.resume)
-    except EuropaError as err:
+    except Exception as err:
+        if not is_user_error(err):
+            raise
         # The launcher prints the first failed rank's line, once, for all ranks.
         report = worker_error_file(args.run_dir, int(os.environ.get("RANK", "0")))
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(f"{err}\n")
+        report.write_text(f"{one_line(err)}\n")
         return 2
     except KeyboardInterrupt:
         return 130  # Ctrl-C reached every process; the launcher reports it once

@@ -1,0 +1,195 @@
+"""One gather unit at run time: its parameters whole around forward and backward.
+
+Design note. Each rank stores only the matrices it owns (a local parameter of
+shape ``[owned, *matrix]``). A unit (a transformer block, or the root's
+embedding, norm and head) is gathered the way FSDP2 gathers one:
+
+* forward pre-hook: one all-gather of every rank's segment; the full tensors
+  come out of an autograd function whose inputs are the local parameters, and
+  they *shadow* the module's parameters (they are put in the module's instance
+  ``__dict__``, which attribute lookup reads before ``_parameters``), so the
+  module's own code runs unchanged on whole weights;
+* forward post-hook: the shadows go and the full tensors' storage is freed
+  (``resize_(0)``); autograd keeps only the tensor objects it saved;
+* pre-backward hook (on the unit's outputs): the storage is gathered again in
+  place, so what autograd saved is valid, and the shadows return, so a
+  recomputed forward (activation checkpointing) sees whole weights too;
+* backward of the autograd function: the full gradients are reduce-scattered
+  to their owners (averaged over the data-parallel ranks, all-reduced over
+  replicas when the mesh has them), the shadows go and the storage is freed.
+
+Why our own collective rather than FSDP2's: FSDP2 stores ``Shard(dim)`` pieces
+with every rank holding part of every tensor; it can express whole matrices on
+one rank only for stacked experts whose count divides the group, and never for
+a dense matrix. Mixing the two would cost two collectives per block; one flat
+all-gather and one reduce-scatter per unit is what FSDP2 itself does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from europa.flexshard.segments import UnitSegments
+
+
+@dataclass
+class Slot:
+    """One parameter under the layout: where it is registered and what this rank holds."""
+
+    name: str
+    module: nn.Module
+    attr: str
+    index: int  # position within its unit
+    start: int  # first matrix this rank owns
+    stop: int
+
+    @property
+    def local(self) -> nn.Parameter:
+        return self.module._parameters[self.attr]
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
+    ``replicate`` (optional) joins the ranks holding the same share in other copies."""
+
+    shard: dist.ProcessGroup | None
+    rank: int
+    size: int
+    replicate: dist.ProcessGroup | None = None
+    replicas: int = 1
+
+
+class GatherUnit:
+    def __init__(
+        self,
+        module: nn.Module,
+        slots: Sequence[Slot],
+        segments: UnitSegments,
+        groups: Groups,
+        *,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype | None = None,
+    ) -> None:
+        self.module = module
+        self.slots = list(slots)
+        self.segments = segments
+        self.groups = groups
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.fulls: list[torch.Tensor] | None = None
+        self._handles = [
+            module.register_forward_pre_hook(self._pre_forward, prepend=True),
+            module.register_forward_hook(self._post_forward),
+        ]
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+    # -- collectives ----------------------------------------------------------------------
+
+    def _compute_dtype(self) -> torch.dtype:
+        return self.param_dtype or self.slots[0].local.dtype
+
+    def all_gather(self) -> list[torch.Tensor]:
+        """Every parameter of the unit in full, as new tensors in the compute dtype."""
+        g, segments = self.groups, self.segments
+        locals_ = [slot.local.detach() for slot in self.slots]
+        send = segments.pack(g.rank, locals_, self._compute_dtype())
+        if g.size == 1:
+            return segments.unpack(send.view(1, -1))
+        rows = send.new_empty(g.size * segments.width)
+        dist.all_gather_single(rows, send, group=g.shard)
+        return segments.unpack(rows.view(g.size, segments.width))
+
+    def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """This rank's averaged share of the full gradients, one per local parameter."""
+        g, segments = self.groups, self.segments
+        dtype = self.reduce_dtype or self.slots[0].local.dtype
+        device = self.slots[0].local.device
+        rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
+        segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
+        if g.size == 1:
+            mine = rows[0]
+        else:
+            mine = rows.new_empty(segments.width)
+            dist.reduce_scatter_single(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard)
+        if g.replicas > 1:
+            dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=g.replicate)
+        mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
+        return [
+            piece.to(slot.local.dtype, copy=True)
+            for piece, slot in zip(segments.split(g.rank, mine), self.slots, strict=True)
+        ]
+
+    # -- shadows and storage ----------------------------------------------------------------
+
+    def _shadow(self, fulls: Sequence[torch.Tensor]) -> None:
+        for slot, full in zip(self.slots, fulls, strict=True):
+            slot.module.__dict__[slot.attr] = full
+
+    def _unshadow(self) -> None:
+        for slot in self.slots:
+            slot.module.__dict__.pop(slot.attr, None)
+
+    def _free(self) -> None:
+        for full in self.fulls or ():
+            full.untyped_storage().resize_(0)
+
+    def _refill(self) -> None:
+        for full, fresh in zip(self.fulls, self.all_gather(), strict=True):
+            full.untyped_storage().resize_(fresh.untyped_storage().nbytes())
+            with torch.autograd._unsafe_preserve_version_counter(full):
+                full.copy_(fresh)
+
+    # -- hooks ------------------------------------------------------------------------------
+
+    def _pre_forward(self, module: nn.Module, args) -> None:
+        locals_ = [slot.local for slot in self.slots]
+        if torch.is_grad_enabled() and any(p.requires_grad for p in locals_):
+            self.fulls = list(_GatherFunction.apply(self, *locals_))
+        else:
+            self.fulls = self.all_gather()
+        self._shadow(self.fulls)
+
+    def _post_forward(self, module: nn.Module, args, output) -> None:
+        self._unshadow()
+        needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+        if not needs_grad or not any(f.requires_grad for f in self.fulls):
+            self.fulls = None
+            return
+        self._free()
+        torch.autograd.graph.register_multi_grad_hook(needs_grad, self._pre_backward, mode="any")
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.fulls is None:  # a second backward through the same graph
+            return
+        self._refill()
+        self._shadow(self.fulls)
+
+    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        local_grads = self.reduce_scatter(grads)
+        self._unshadow()
+        self._free()
+        self.fulls = None
+        return local_grads
+
+
+class _GatherFunction(torch.autograd.Function):
+    """local parameters -> full parameters; backward: full gradients -> owners."""
+
+    @staticmethod
+    def forward(ctx, unit: GatherUnit, *locals_: torch.Tensor):
+        ctx.unit = unit
+        return tuple(unit.all_gather())
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        return (None, *ctx.unit._post_backward(grads))

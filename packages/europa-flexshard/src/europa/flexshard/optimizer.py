@@ -1,0 +1,156 @@
+"""Muon and AdamW on the whole matrices a rank owns: no collective in ``step()``.
+
+Every local parameter of a ``FlexShardLayout`` is a stack of whole matrices,
+so Muon's Newton–Schulz orthogonalisation, which needs a whole matrix, runs
+where the matrix lives; the rank's Muon matrices are batched by shape into one
+orthogonalisation each. AdamW is elementwise and needs nothing.
+
+The maths is europa-core's ``MuonWithAdamW`` (and its AdamW): the quintic
+Newton–Schulz iteration with Jordan et al.'s coefficients in the parameter's
+dtype, Nesterov momentum, decoupled weight decay and the update scaled by
+``0.2 * sqrt(max(rows, cols))`` so that one ``lr`` serves both groups. It is
+written out here because a technique package does not import core; the tests
+hold the two to 1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from europa.flexshard.layout import FlexShardLayout, orthogonalised_by_default
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalise(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate U V^T of each matrix in ``[..., rows, cols]`` (quintic Newton–Schulz)."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrices.float()
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if transposed:
+        x = x.mT
+    return x.to(matrices.dtype)
+
+
+def rms_matching_scale(matrix_shape: Sequence[int]) -> float:
+    return 0.2 * math.sqrt(max(matrix_shape[-2], matrix_shape[-1]))
+
+
+class FlexShardOptimizer(torch.optim.Optimizer):
+    """``algorithm="muon"``: Muon on hidden matrices (``orthogonalised(name, shape)``),
+    AdamW on the rest; ``algorithm="adamw"``: AdamW on everything. State is
+    created at once (zeros), so a checkpoint can be loaded before the first step."""
+
+    def __init__(
+        self,
+        layout: FlexShardLayout,
+        *,
+        lr: float,
+        algorithm: str = "muon",
+        weight_decay: float = 0.1,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        orthogonalised: Callable[[str, Sequence[int]], bool] = orthogonalised_by_default,
+    ) -> None:
+        if algorithm not in ("muon", "adamw"):
+            raise ValueError(f"algorithm = {algorithm!r}: expected 'muon' or 'adamw'")
+        self.layout = layout
+        muon, adamw = [], []
+        for name, param in layout.named_local_parameters():
+            if not param.requires_grad:
+                continue
+            shape = layout.plan.spec(name).shape
+            use_muon = algorithm == "muon" and orthogonalised(name, shape)
+            (muon if use_muon else adamw).append((name, param))
+        groups = [
+            {"params": [p for _, p in ps], "names": [n for n, _ in ps], "use_muon": use}
+            for ps, use in ((muon, True), (adamw, False))
+            if ps
+        ]
+        defaults = dict(
+            lr=lr,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            ns_steps=ns_steps,
+            betas=betas,
+            eps=eps,
+        )
+        super().__init__(groups, defaults)
+        for group in self.param_groups:
+            for param in group["params"]:
+                self._init_state(param, group["use_muon"])
+
+    def _init_state(self, param: torch.Tensor, use_muon: bool) -> None:
+        state = self.state[param]
+        if use_muon:
+            state["momentum_buffer"] = torch.zeros_like(param)
+            return
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        state["exp_avg"] = torch.zeros_like(param)
+        state["exp_avg_sq"] = torch.zeros_like(param)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor, dict]]:
+        """(name, local parameter, its group) for every parameter this optimizer steps."""
+        return [
+            (name, param, group)
+            for group in self.param_groups
+            for name, param in zip(group["names"], group["params"], strict=True)
+        ]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                for param in group["params"]:
+                    if param.grad is not None:
+                        self._adamw_update(param, group)
+        return loss
+
+    def _muon_step(self, group: dict) -> None:
+        batches: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        for param in group["params"]:
+            if param.grad is None or param.numel() == 0:
+                continue
+            buf = self.state[param]["momentum_buffer"]
+            buf.lerp_(param.grad, 1 - group["momentum"])
+            nesterov = param.grad.lerp(buf, group["momentum"])
+            batches.setdefault((tuple(param.shape[1:]), param.dtype), []).append((param, nesterov))
+        for (matrix_shape, _), items in batches.items():
+            stacked = torch.cat([nesterov for _, nesterov in items])
+            updates = orthogonalise(stacked, group["ns_steps"]).split(
+                [param.shape[0] for param, _ in items]
+            )
+            scale = rms_matching_scale(matrix_shape)
+            for (param, _), update in zip(items, updates, strict=True):
+                param.mul_(1 - group["lr"] * group["weight_decay"])
+                param.add_(update, alpha=-group["lr"] * scale)
+
+    def _adamw_update(self, param: torch.Tensor, group: dict) -> None:
+        state = self.state[param]
+        beta1, beta2 = group["betas"]
+        state["step"] += 1
+        step = state["step"].item()
+        state["exp_avg"].lerp_(param.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        bias1 = 1 - beta1**step
+        bias2 = 1 - beta2**step
+        denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
+        param.mul_(1 - group["lr"] * group["weight_decay"])
+        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias1)

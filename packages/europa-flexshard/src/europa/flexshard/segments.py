@@ -1,0 +1,99 @@
+"""Where each rank's owned matrices of one gather unit sit in its flat segment.
+
+A rank's segment is its owned matrices of the unit's parameters, one parameter
+after another, flattened. The collectives move rows of a ``[ranks, width]``
+buffer (width = the largest segment; shorter segments leave their tail unused):
+the all-gather stacks every rank's segment, the reduce-scatter hands each rank
+the sum of its row. This module is the data path around those two collectives
+and nothing else (no process group), so the round trips are testable on their
+own: ``unpack(stack(pack(r) for r))`` rebuilds the full parameters and
+``split(r, scatter_rows(fulls)[r])`` is rank r's share of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from europa.flexshard.plan import OwnershipPlan, ParameterSpec
+
+
+class UnitSegments:
+    def __init__(self, plan: OwnershipPlan, names: Sequence[str]) -> None:
+        self.plan = plan
+        self.names = list(names)
+        self.specs: list[ParameterSpec] = [plan.spec(n) for n in self.names]
+        self.ranks = plan.group_size
+        self.counts = [plan.counts(n) for n in self.names]
+        self.starts = [[start for start, _ in plan.ranges[n]] for n in self.names]
+        self.offsets: list[list[int]] = []
+        self.sizes: list[int] = []
+        for rank in range(self.ranks):
+            offset, row = 0, []
+            for spec, counts in zip(self.specs, self.counts, strict=True):
+                row.append(offset)
+                offset += counts[rank] * spec.matrix_numel
+            self.offsets.append(row)
+            self.sizes.append(offset)
+        self.width = max(self.sizes, default=0)
+
+    def local_shape(self, rank: int, slot: int) -> tuple[int, ...]:
+        """Rank ``rank``'s storage of parameter ``slot``: ``[owned matrices, *matrix]``."""
+        return (self.counts[slot][rank], *self.specs[slot].matrix_shape)
+
+    def pack(self, rank: int, locals_: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+        """Rank ``rank``'s segment, ``[width]`` in ``dtype``, from its local parameters."""
+        device = locals_[0].device if locals_ else torch.device("cpu")
+        out = torch.empty(self.width, dtype=dtype, device=device)
+        offset = 0
+        for local in locals_:
+            n = local.numel()
+            out[offset : offset + n].copy_(local.reshape(-1))
+            offset += n
+        if offset < self.width:
+            out[offset:].zero_()
+        return out
+
+    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter in full (new tensors), from the gathered ``[ranks, width]`` rows."""
+        fulls = []
+        for slot, spec in enumerate(self.specs):
+            pieces = [
+                rows[rank, self._span(rank, slot)].view(self.local_shape(rank, slot))
+                for rank in range(self.ranks)
+                if self.counts[slot][rank]
+            ]
+            if not pieces:  # a stack of zero experts
+                fulls.append(rows.new_empty(spec.shape))
+                continue
+            fulls.append(torch.cat(pieces).view(spec.shape))
+        return fulls
+
+    def scatter_rows(self, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """Fill ``out[rank]`` with rank's owned matrices of ``fulls`` (None counts as zeros)."""
+        for slot, spec in enumerate(self.specs):
+            full = fulls[slot]
+            matrices = None if full is None else full.reshape(spec.matrices, spec.matrix_numel)
+            for rank in range(self.ranks):
+                count = self.counts[slot][rank]
+                if not count:
+                    continue
+                target = out[rank, self._span(rank, slot)]
+                if matrices is None:
+                    target.zero_()
+                    continue
+                start = self.starts[slot][rank]
+                target.copy_(matrices[start : start + count].reshape(-1))
+        return out
+
+    def split(self, rank: int, segment: torch.Tensor) -> list[torch.Tensor]:
+        """Views of rank's segment shaped as its local parameters."""
+        return [
+            segment[self._span(rank, slot)].view(self.local_shape(rank, slot))
+            for slot in range(len(self.specs))
+        ]
+
+    def _span(self, rank: int, slot: int) -> slice:
+        start = self.offsets[rank][slot]
+        return slice(start, start + self.counts[slot][rank] * self.specs[slot].matrix_numel)

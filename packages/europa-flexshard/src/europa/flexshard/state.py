@@ -1,0 +1,135 @@
+"""Checkpoint state of a FlexShard layout for torch.distributed.checkpoint (DCP).
+
+Each parameter (and each optimizer tensor shaped like it) is saved under its
+own name with its *full* shape; each rank writes the chunk it owns (its
+contiguous run of experts, or the whole tensor on its owner) and nothing else.
+DCP writes every matrix once and, on load, reads whatever overlaps the loading
+rank's own matrices, so a checkpoint saved on one world size resumes on any
+other, and its keys and shapes are those of an unsharded model
+(``model.<name>``), which lets a launcher check a checkpoint against a model on
+the meta device.
+
+The chunk is an ``OwnedChunk``: a full-shaped tensor of which this rank holds
+one region, described through DCP's own ``_Checkpointable`` protocol (the one
+DTensor implements). Neither DTensor, whose placements cannot say "matrices
+2-4 on rank 1", nor the deprecated ShardedTensor is needed. Without
+torch.distributed (one process) the tensors are plain and full.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+from europa.flexshard.layout import FlexShardLayout
+from europa.flexshard.optimizer import FlexShardOptimizer
+
+
+class OwnedChunk(torch.Tensor):
+    """A tensor of shape ``size`` of which this rank holds ``local`` at ``offsets``
+    (or nothing, ``local=None``). For checkpointing only: any operation on it fails."""
+
+    @staticmethod
+    def __new__(
+        cls, size: torch.Size, local: torch.Tensor, offsets: tuple[int, ...] | None
+    ) -> OwnedChunk:
+        chunk = torch.Tensor._make_wrapper_subclass(
+            cls, size, dtype=local.dtype, device=local.device, requires_grad=False
+        )
+        chunk._local = local
+        chunk._offsets = offsets
+        return chunk
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise RuntimeError(f"OwnedChunk only carries a checkpoint chunk; {func} is not supported")
+
+    def _chunks(self) -> list[ChunkStorageMetadata]:
+        if self._offsets is None:
+            return []
+        return [ChunkStorageMetadata(torch.Size(self._offsets), self._local.size())]
+
+    # -- torch.distributed.checkpoint's _Checkpointable protocol --------------------------
+
+    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
+        return [
+            WriteItem(
+                index=MetadataIndex(fqn, chunk.offsets),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=chunk,
+                    properties=TensorProperties.create_from_tensor(self._local),
+                    size=self.size(),
+                ),
+            )
+            for chunk in self._chunks()
+        ]
+
+    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+        return self._chunks()
+
+    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
+        return self._local
+
+
+HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "ns_steps", "betas", "eps")
+
+
+class FlexShardState:
+    """``state_dict()`` -> ``{"model": ..., "optim": ...}``; ``load_state_dict`` after
+    DCP has filled it in place (tensors are views of the live storage)."""
+
+    def __init__(self, layout: FlexShardLayout, optimizer: FlexShardOptimizer) -> None:
+        self.layout = layout
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        model = dict(_persistent_buffers(self.layout.model))  # replicated: equal on every rank
+        for name, param in self.layout.named_local_parameters():
+            model[name] = self._global(name, param)
+        state, groups = {}, []
+        for group in self.optimizer.param_groups:
+            groups.append({k: group[k] for k in HYPERPARAMETERS} | {"params": list(group["names"])})
+        for name, param, _ in self.optimizer.named_parameters():
+            state[name] = {
+                key: value if value.ndim == 0 else self._global(name, value)
+                for key, value in self.optimizer.state[param].items()
+            }
+        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Tensors were filled in place by DCP; only the hyperparameters are new objects.
+        saved_groups = state["optim"]["param_groups"]
+        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
+            if list(group["names"]) != list(saved["params"]):
+                raise ValueError("checkpoint optimizer groups do not match this model's parameters")
+            for key in HYPERPARAMETERS:
+                group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+
+    def _global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """``local`` (this rank's ``[owned, *matrix]``) as the full-shaped tensor it is part of."""
+        spec = self.layout.plan.spec(name)
+        slot = self.layout.slots[name]
+        mine = local.detach() if spec.stacked else local.detach().reshape(-1, *spec.shape)
+        if self.layout.groups.shard is None and not dist.is_initialized():
+            return mine if spec.stacked else mine[0]  # one process: the tensor itself
+        if slot.start == slot.stop:
+            return OwnedChunk(torch.Size(spec.shape), mine, None)
+        if spec.stacked:
+            return OwnedChunk(torch.Size(spec.shape), mine, (slot.start, 0, 0))
+        return OwnedChunk(torch.Size(spec.shape), mine[0], (0,) * len(spec.shape))
+
+
+def _persistent_buffers(model: torch.nn.Module):
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield (f"{module_name}.{name}" if module_name else name), buffer

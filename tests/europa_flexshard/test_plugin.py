@@ -1,0 +1,116 @@
+"""``europa train -p flexshard``: the plugin through europa's hooks and CLI."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from europa.cli.app import run
+from europa.core.model import build_moe_model
+from europa.core.plugins.builtin.optimizer import uses_muon
+from europa.core.session import open_session
+from europa.flexshard import plugin
+from europa.flexshard.layout import (
+    _unit_of_each_parameter,
+    default_units,
+    orthogonalised_by_default,
+)
+
+QUIET = ["--set", "metrics.progress=false"]
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines]
+
+
+def _train(run_dir: Path, *args: str) -> None:
+    assert run(["train", "--run-dir", str(run_dir), *QUIET, *args]) == 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_flexshard_trains_like_fsdp2_and_resumes_on_another_world_size(tmp_path, capfd):
+    common = ["--set", "training.steps=4", "--set", "checkpoint.every=2",
+              "--set", 'optimizer.name="muon"', "--set", "optimizer.lr=0.02"]  # fmt: skip
+    flex, fsdp = tmp_path / "flex", tmp_path / "fsdp"
+    _train(flex, "-p", "flexshard", "--nproc", "2", "--set", "training.batch_size=2", *common)
+    assert "flexshard: 118 whole matrices over 2 rank(s)" in capfd.readouterr().err
+    _train(fsdp, "--nproc", "2", "--set", "training.batch_size=2", *common)
+    assert _losses(flex) == pytest.approx(_losses(fsdp), rel=1e-6)
+
+    # The same global batch on one rank, from the 2-rank checkpoint at step 2.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(flex, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-00000004")
+    (resumed / "summary.json").unlink()
+    _train(resumed, "--resume", "--nproc", "1", "--set", "training.batch_size=4")
+    assert _losses(resumed) == pytest.approx(_losses(flex), rel=1e-6)
+
+
+def test_a_layout_over_the_memory_limit_is_refused_in_one_line(tmp_path, capsys):
+    run_dir = tmp_path / "run"
+    code = run(["train", "tiny", "-p", "flexshard", "--nproc", "1", "--run-dir", str(run_dir),
+                *QUIET, "--set", "flexshard.max_rank_gib=0.001"])  # fmt: skip
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [
+        "europa: error: flexshard.max_rank_gib = 0.001: the most loaded of 1 rank(s) would hold "
+        "0.03 GiB of parameters, gradients and optimizer state; expected more ranks or a "
+        "larger limit"
+    ]
+    assert not (run_dir / "checkpoints").exists()
+
+
+def _job(*overrides: str) -> SimpleNamespace:
+    config, _ = open_session("tiny", overrides, ["flexshard"])
+    return SimpleNamespace(config=config)
+
+
+def test_expert_parallelism_is_refused_in_one_line():
+    job = _job("parallel.ep=2")
+    with pytest.raises(ValueError) as err:
+        plugin.europa_shard_model(job=job, model=None)
+    assert str(err.value) == (
+        "parallel.ep = 2: europa-flexshard lays out data parallelism only in this version; "
+        "expected 1"
+    )
+    assert err.value.europa_user_error is True
+
+
+def test_the_plan_hook_states_per_rank_bytes_and_no_optimizer_traffic():
+    job = _job()
+    model = build_moe_model(job.config.model)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    plan = {"parameter_shapes": shapes, "world_size": 4}
+    plugin.europa_plan(job=job, plan=plan)
+    summary = plan["flexshard"]
+    total = 4 * sum(p.numel() for p in model.parameters())
+    assert sum(summary["bytes_per_rank"]) == total
+    assert summary["bytes_max"] <= total / 4 + summary["largest_matrix_bytes"]
+    assert summary["optimizer_step_bytes_communicated"] == 0
+    assert summary["state_bytes_per_rank_max"] == 4 * summary["bytes_max"]  # adamw: p, g, m, v
+
+
+def test_the_plan_hook_and_the_runtime_layout_group_parameters_alike():
+    model = build_moe_model(_job().config.model)
+    runtime = _unit_of_each_parameter(model, default_units(model))
+    assert {name: plugin.unit_of(name) for name in runtime} == runtime
+
+
+def test_flexshard_sends_the_same_parameters_to_muon_as_core():
+    model = build_moe_model(_job().config.model)
+    for name, param in model.named_parameters():
+        assert orthogonalised_by_default(name, tuple(param.shape)) == uses_muon(name, param), name
+
+
+def test_the_plugin_module_declares_its_table_with_the_standard_library():
+    assert plugin.europa_config_sections() == {"flexshard": plugin.FlexShardConfig}
+    config, _ = open_session("tiny", ["flexshard.reduce_dtype='bfloat16'"], ["flexshard"])
+    assert config.section("flexshard").reduce_dtype == "bfloat16"
+    assert torch.bfloat16 == getattr(torch, config.section("flexshard").reduce_dtype)
