@@ -86,6 +86,17 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     return [collected[rank] for rank in range(world)]
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture
 def ranks() -> Callable[..., list[Any]]:
     return run_ranks

@@ -181,7 +181,8 @@ def test_enable_again_switches_the_set_of_running_plugins(install):
     assert _after_step(pm) == {"alpha_seen": 7}
     pm.enable(["beta"])
     assert _after_step(pm) == {"beta_seen": 7}
-    assert {n: i.enabled for n, i in _external(pm).items()} == {"alpha": False, "beta": True}
+    enabled = {n: i.enabled for n, i in _external(pm).items() if n in ("alpha", "beta")}
+    assert enabled == {"alpha": False, "beta": True}
 
 
 def test_two_enabled_pick_one_plugins_name_both_distributions(install):

@@ -16,6 +16,10 @@ it also answers the hooks that depend on that: ``europa_init_parameters``,
 ``europa_clip_gradients`` and ``europa_checkpoint_state``. Core's defaults
 handle plain tensors and DTensors (FSDP2); a layout with its own storage
 (europa-flexshard) implements all four.
+
+A plugin reports a user's mistake (a bad setting, an impossible layout) by
+raising an exception whose class has ``europa_user_error = True``: europa
+prints its message as one line and exits 2, as for its own errors.
 """
 
 from __future__ import annotations

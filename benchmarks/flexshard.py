@@ -1,0 +1,282 @@
+"""FlexShard against core's FSDP2 layout with MuonWithAdamW, in one run.
+
+For each world size, the same model (the ``debug`` preset by default), data and
+Muon settings are trained for a few steps on real gloo processes, once under
+core's FSDP2 layout (``MuonWithAdamW`` gathers every row-sharded matrix inside
+``optimizer.step()`` and orthogonalises it on every rank) and once under
+``-p flexshard`` (each rank orthogonalises only the whole matrices it owns).
+
+Per configuration it reports, as the maximum over ranks:
+  * collective payload bytes inside ``optimizer.step()`` and in a whole step,
+    counted from the collectives actually issued (every ``c10d`` and functional
+    collective seen by a dispatch mode; a rank's payload is the tensor it hands
+    in: the local shard of an all-gather, the full input of a reduce-scatter,
+    the buffer of an all-reduce), in a separate step from the timed ones;
+  * median ``optimizer.step()`` time and whole-step time over the timed steps;
+  * parameter + optimizer-state bytes held by each rank;
+and, per world size, the ratios baseline / FlexShard and the relative
+difference of the loss after the same steps.
+
+    python benchmarks/flexshard.py [--json] [--ranks 2 4] [--steps 4] [--preset debug]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Adds up the payload a rank hands to each collective while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        namespace = func.namespace
+        name = func.__name__
+        if namespace in COLLECTIVE_NAMESPACES and not name.startswith("wait"):
+            self.calls += 1
+            self.bytes += _payload(namespace, name.split(".")[0], args)
+        return func(*args, **(kwargs or {}))
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, list | tuple):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _payload(namespace: str, name: str, args: tuple) -> int:
+    if namespace == "_c10d_functional":
+        return _nbytes(args[0])  # the input comes first
+    if name in ("_allgather_base_", "_reduce_scatter_base_", "alltoall_base_"):
+        return _nbytes(args[1])  # (output, input, ...)
+    if name in ("allgather_", "reduce_scatter_", "alltoall_"):
+        return _nbytes(args[1])
+    return _nbytes(args[0])  # allreduce_, broadcast_, reduce_: the buffer
+
+
+def _local_bytes(tensor: torch.Tensor) -> int:
+    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return local.numel() * local.element_size()
+
+
+def _timed(fn: Callable, samples: list[float]) -> Callable:
+    def wrapper(*args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            samples.append(time.perf_counter() - started)
+
+    return wrapper
+
+
+def _rank_main(rank: int, world: int, port: int, args: dict, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    try:
+        results.put((rank, _run_rank(rank, world, args)))
+    except BaseException as err:  # reported by the parent
+        import traceback
+
+        results.put((rank, {"error": "".join(traceback.format_exception(err))}))
+
+
+def _run_rank(rank: int, world: int, args: dict) -> dict:
+    import warnings
+    from pathlib import Path
+
+    from europa.core.job import Job
+    from europa.core.session import open_session
+    from europa.core.train.distributed import ProcessPlace, init_distributed, shutdown
+    from europa.core.train.loop import Trainer
+
+    warnings.filterwarnings("ignore")
+    overrides = [
+        'optimizer.name="muon"',
+        f"optimizer.lr={args['lr']}",
+        f"training.batch_size={args['batch_size']}",
+        f"training.seq_len={args['seq_len']}",
+        f"training.steps={args['steps']}",
+        "metrics.progress=false",
+        'parallel.device="cpu"',  # gloo ranks on the CPU cores, also on a GPU machine
+    ]
+    plugins = ["flexshard"] if args["layout"] == "flexshard" else []
+    if plugins:
+        overrides.append("flexshard.log_plan=false")
+    config, manager = open_session(args["preset"], overrides, plugins)
+    device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
+    try:
+        job = Job(config=config, run_dir=Path("."), rank=rank, world_size=world,
+                  local_rank=rank, device=device, mesh=mesh)  # fmt: skip
+        trainer = Trainer(job, manager, resume=False)
+        optimizer_s: list[float] = []
+        trainer.optimizer.step = _timed(trainer.optimizer.step, optimizer_s)
+        step_s, losses = [], []
+        counted = {}
+        for step in range(args["steps"]):
+            if step == 1:  # a step of its own for counting: the dispatch mode costs time
+                with CollectiveBytes() as whole:
+                    inner = CollectiveBytes()
+                    plain_step = trainer.optimizer.step
+                    trainer.optimizer.step = _inside(inner, plain_step)
+                    record = trainer.step(step)
+                    trainer.optimizer.step = plain_step
+                counted = {"step": whole.bytes, "optimizer_step": inner.bytes,
+                           "optimizer_step_calls": inner.calls}  # fmt: skip
+            else:
+                record = trainer.step(step)
+                if step >= 2:
+                    step_s.append(record["step_time_s"])
+            losses.append(record["loss"])
+        timed_optimizer = optimizer_s[2:]
+        state = sum(
+            _local_bytes(v)
+            for per_param in trainer.optimizer.state.values()
+            for v in per_param.values()
+            if isinstance(v, torch.Tensor) and v.ndim > 0
+        )
+        params = sum(_local_bytes(p) for p in trainer.model.parameters())
+        return {
+            "optimizer_step_s": statistics.median(timed_optimizer),
+            "step_s": statistics.median(step_s),
+            "collective_bytes": counted,
+            "parameter_and_state_bytes": params + state,
+            "losses": losses,
+        }
+    finally:
+        shutdown()
+
+
+def _inside(mode: CollectiveBytes, fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        with mode:
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_configuration(world: int, args: dict) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_rank_main, args=(rank, world, port, args, results))
+        for rank in range(world)
+    ]
+    for proc in procs:
+        proc.start()
+    collected = dict(results.get(timeout=1800) for _ in procs)
+    for proc in procs:
+        proc.join()
+    for rank, result in collected.items():
+        if "error" in result:
+            raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
+    return [collected[rank] for rank in range(world)]
+
+
+def summarise(layout: str, world: int, per_rank: list[dict]) -> dict:
+    return {
+        "layout": layout,
+        "ranks": world,
+        "optimizer_step_collective_bytes": max(
+            r["collective_bytes"]["optimizer_step"] for r in per_rank
+        ),
+        "optimizer_step_collective_calls": max(
+            r["collective_bytes"]["optimizer_step_calls"] for r in per_rank
+        ),
+        "step_collective_bytes": max(r["collective_bytes"]["step"] for r in per_rank),
+        "optimizer_step_s": max(r["optimizer_step_s"] for r in per_rank),
+        "step_s": max(r["step_s"] for r in per_rank),
+        "parameter_and_state_bytes_per_rank": [r["parameter_and_state_bytes"] for r in per_rank],
+        "losses": per_rank[0]["losses"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--steps", type=int, default=5, help="1 warm-up, 1 counted, rest timed")
+    parser.add_argument("--preset", default="debug")
+    parser.add_argument("--batch-size", type=int, default=1, help="sequences per rank")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--lr", type=float, default=0.02)
+    args = parser.parse_args()
+    if args.steps < 3:
+        parser.error("--steps must be at least 3 (warm-up, counted, timed)")
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+    configs, comparisons = [], []
+    for world in args.ranks:
+        by_layout = {}
+        for layout in ("fsdp2", "flexshard"):
+            run_args = vars(args) | {"layout": layout}
+            by_layout[layout] = summarise(layout, world, run_configuration(world, run_args))
+            configs.append(by_layout[layout])
+            if not args.json:
+                print(json.dumps(by_layout[layout]), file=sys.stderr)
+        base, flex = by_layout["fsdp2"], by_layout["flexshard"]
+        comparisons.append(
+            {
+                "ranks": world,
+                "optimizer_step_time_ratio_fsdp2_over_flexshard": base["optimizer_step_s"]
+                / flex["optimizer_step_s"],
+                "step_time_ratio_fsdp2_over_flexshard": base["step_s"] / flex["step_s"],
+                "optimizer_step_collective_bytes": {
+                    "fsdp2": base["optimizer_step_collective_bytes"],
+                    "flexshard": flex["optimizer_step_collective_bytes"],
+                },
+                "step_collective_bytes_ratio_fsdp2_over_flexshard": base["step_collective_bytes"]
+                / flex["step_collective_bytes"],
+                "max_parameter_and_state_bytes_ratio_fsdp2_over_flexshard": max(
+                    base["parameter_and_state_bytes_per_rank"]
+                )
+                / max(flex["parameter_and_state_bytes_per_rank"]),
+                "final_loss_relative_difference": abs(flex["losses"][-1] - base["losses"][-1])
+                / abs(base["losses"][-1]),
+            }
+        )
+    result = {
+        "benchmark": "flexshard",
+        "preset": args.preset,
+        "optimizer": "muon",
+        "batch_size_per_rank": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "configs": configs,
+        "comparisons": comparisons,
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
