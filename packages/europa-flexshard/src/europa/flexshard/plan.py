@@ -110,19 +110,19 @@ class OwnershipPlan:
     def counts(self, name: str) -> tuple[int, ...]:
         return tuple(stop - start for start, stop in self.ranges[name])
 
-    def rank_bytes(self) -> list[int]:
+    def _per_rank(self, per_matrix: str) -> list[int]:
         totals = [0] * self.group_size
         for p in self.parameters:
             for rank, count in enumerate(self.counts(p.name)):
-                totals[rank] += count * p.matrix_bytes
+                totals[rank] += count * getattr(p, per_matrix)
         return totals
 
+    def rank_bytes(self) -> list[int]:
+        return self._per_rank("matrix_bytes")
+
     def rank_work(self) -> list[int]:
-        totals = [0] * self.group_size
-        for p in self.parameters:
-            for rank, count in enumerate(self.counts(p.name)):
-                totals[rank] += count * p.matrix_work
-        return totals
+        """Newton–Schulz FLOPs each rank runs per optimizer step."""
+        return self._per_rank("matrix_work")
 
     def summary(self) -> dict[str, Any]:
         """Per-rank bytes and Newton–Schulz work, with max / mean, for logs and plans."""
