@@ -135,7 +135,7 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
             "model.num_expert_groups": groups,
             "model.num_limited_groups": limited,
             "model.top_k": draw(st.integers(1, reachable)),
-            "parallel.ep": draw(st.sampled_from(_divisors(experts))),
+            "parallel.ep": draw(st.integers(1, experts)),
         }
     if draw(st.booleans()):
         layers = draw(st.integers(1, 200))
@@ -360,10 +360,10 @@ BAD = [
         'training.dtype = "float16": expected one of "float32", "bfloat16"',
     ),
     (
-        "ep-not-divisor",
+        "ep-more-than-experts",
         None,
-        ["parallel.ep=3"],
-        "parallel.ep = 3: expected a divisor of model.num_experts (8)",
+        ["parallel.ep=9"],
+        "parallel.ep = 9: expected at most model.num_experts (8)",
     ),
     (
         "dp-shard-zero",

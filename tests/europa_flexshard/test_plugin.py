@@ -72,17 +72,6 @@ def _job(*overrides: str) -> SimpleNamespace:
     return SimpleNamespace(config=config)
 
 
-def test_expert_parallelism_is_refused_in_one_line():
-    job = _job("parallel.ep=2")
-    with pytest.raises(ValueError) as err:
-        plugin.europa_shard_model(job=job, model=None)
-    assert str(err.value) == (
-        "parallel.ep = 2: europa-flexshard lays out data parallelism only in this version; "
-        "expected 1"
-    )
-    assert err.value.europa_user_error is True
-
-
 def test_the_plan_hook_states_per_rank_bytes_and_no_optimizer_traffic():
     job = _job()
     model = build_moe_model(job.config.model)

@@ -6,17 +6,28 @@ stacked expert tensor ``[E, rows, cols]`` keeps its owned experts; a 2-D or
 1-D tensor is ``[1, *shape]`` on its owner and ``[0, *shape]`` elsewhere).
 Forward and backward see whole parameters (``europa.flexshard.gather``); an
 optimizer over ``model.parameters()`` touches only what this rank owns.
+
+With ``experts=ExpertParallel(...)`` the routed experts are split over that
+group instead and stay resident (``europa.flexshard.experts``); everything else
+is laid out as above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from europa.flexshard.errors import PlanError
+from europa.flexshard.experts import (
+    AllToAllDispatcher,
+    ExpertParallel,
+    check_expert_split,
+    routed_expert_modules,
+)
 from europa.flexshard.gather import GatherUnit, Groups, Slot
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
@@ -57,25 +68,36 @@ def _groups(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup 
 
 
 class FlexShardLayout:
-    """A module laid out by ownership: its plan, its slots and its gather units."""
+    """A module laid out by ownership: its plans, its slots and its gather units."""
 
     def __init__(
         self,
         model: nn.Module,
         plan: OwnershipPlan,
+        specs: dict[str, ParameterSpec],
         slots: dict[str, Slot],
         units: list[GatherUnit],
         groups: Groups,
+        experts: _Experts | None = None,
     ) -> None:
         self.model = model
-        self.plan = plan
+        self.plan = plan  # everything but routed experts, over groups.shard
+        self.specs = specs
         self.slots = slots
         self.units = units
         self.groups = groups
+        self.experts = experts
+        self._hook_expert_gradients()
 
     @property
     def rank(self) -> int:
         return self.groups.rank
+
+    def spec(self, name: str) -> ParameterSpec:
+        return self.specs[name]
+
+    def is_expert(self, name: str) -> bool:
+        return self.experts is not None and name in self.experts.names
 
     def named_local_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         for name, slot in self.slots.items():
@@ -94,30 +116,65 @@ class FlexShardLayout:
         for name, slot in self.slots.items():
             old = slot.local
             local = torch.empty(old.shape, dtype=old.dtype, device=device)
-            spec = self.plan.spec(name)
+            spec = self.specs[name]
             for j, index in enumerate(range(slot.start, slot.stop)):
                 init_matrix(name, index, local[j] if spec.stacked else local[0])
             slot.module._parameters[slot.attr] = nn.Parameter(local, old.requires_grad)
+        self._hook_expert_gradients()
 
     # -- gradients --------------------------------------------------------------------------
+
+    def _hook_expert_gradients(self) -> None:
+        if self.experts is None:
+            return
+        for name in self.experts.names:
+            param = self.slots[name].local
+            if param.requires_grad and not param.is_meta:
+                param.register_hook(self.experts.reduce_gradient)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip to a total 2-norm of ``max_norm`` (0: only measure); return the norm
         before clipping. Each matrix is counted once: on its owner."""
-        grads = [slot.local.grad for slot in self.slots.values() if slot.local.grad is not None]
         device = next(iter(self.slots.values())).local.device
-        squares = torch.zeros((), dtype=torch.float32, device=device)
-        for grad in grads:
-            squares += grad.float().pow(2).sum()
+        dense = torch.zeros((), dtype=torch.float32, device=device)
+        routed = torch.zeros((), dtype=torch.float32, device=device)
+        grads = []
+        for name, slot in self.slots.items():
+            grad = slot.local.grad
+            if grad is None:
+                continue
+            grads.append(grad)
+            (routed if self.is_expert(name) else dense).add_(grad.float().pow(2).sum())
         if self.groups.size > 1:
-            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=self.groups.shard)
-        norm = squares.sqrt()
+            dist.all_reduce(dense, op=dist.ReduceOp.SUM, group=self.groups.shard)
+        if self.experts is not None and self.experts.size > 1:
+            dist.all_reduce(routed, op=dist.ReduceOp.SUM, group=self.experts.group)
+        norm = (dense + routed).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
             for grad in grads:
                 grad.mul_(scale.to(grad.dtype))
         return norm.item()
+
+    # -- summaries --------------------------------------------------------------------------
+
+    def max_local_bytes(self) -> int:
+        """At most what one rank stores: its owned share plus its resident experts."""
+        routed = max(self.experts.plan.rank_bytes()) if self.experts is not None else 0
+        return max(self.plan.rank_bytes(), default=0) + routed
+
+    def describe(self) -> str:
+        text = self.plan.describe()
+        if self.experts is None:
+            return text
+        e = self.experts.plan.summary()
+        per_layer = sorted({p.matrices for p in self.experts.plan.parameters})
+        return (
+            f"{text}; routed experts ({'/'.join(map(str, per_layer))} a layer) split over "
+            f"{e['ranks']} expert-parallel rank(s), resident bytes per rank max "
+            f"{e['bytes_max'] / 2**20:.2f} MiB / mean {e['bytes_mean'] / 2**20:.2f} MiB"
+        )
 
     # -- whole parameters -------------------------------------------------------------------
 
@@ -127,7 +184,54 @@ class FlexShardLayout:
         for unit in self.units:
             for slot, full in zip(unit.slots, unit.all_gather(), strict=True):
                 fulls[slot.name] = full
+        if self.experts is not None:
+            for name in self.experts.names:
+                fulls[name] = self.experts.gather(self.slots[name].local.detach())
         return fulls
+
+
+@dataclass
+class _Experts:
+    """The routed experts of a layout: their names, plan and groups."""
+
+    names: list[str]
+    parallel: ExpertParallel
+    rank: int
+    size: int
+    plan: OwnershipPlan  # one stack per routed-expert module, over the expert group
+
+    @property
+    def ranges(self) -> dict[str, tuple[tuple[int, int], ...]]:
+        return dict(self.plan.ranges)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        return self.parallel.group
+
+    def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor:
+        """Sum over the copies of these experts, then the mean over data-parallel ranks."""
+        copies = self.parallel.copies
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        out = grad / (self.parallel.data_parallel_size or world)
+        if copies is not None and dist.get_world_size(copies) > 1:
+            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=copies)
+        return out
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """A stack of experts in full, from each rank's run of them (a collective)."""
+        if self.size == 1:
+            return local.clone()
+        widest = max(stop - start for start, stop in next(iter(self.ranges.values())))
+        padded = local.new_zeros(widest, *local.shape[1:])
+        padded[: local.shape[0]] = local
+        rows = local.new_empty(self.size * widest, *local.shape[1:])
+        _all_gather_experts(rows, padded, group=self.group)
+        counts = [stop - start for start, stop in next(iter(self.ranges.values()))]
+        pieces = [rows[r * widest : r * widest + count] for r, count in enumerate(counts)]
+        return torch.cat(pieces)
+
+
+_all_gather_experts = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def flex_shard(
@@ -139,6 +243,7 @@ def flex_shard(
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
     orthogonalised: Callable[[str, Sequence[int]], bool] = orthogonalised_by_default,
+    experts: ExpertParallel | None = None,
 ) -> FlexShardLayout:
     """Lay ``model`` out by whole-matrix ownership over ``group`` (default: the world).
 
@@ -148,7 +253,9 @@ def flex_shard(
     parallelism). ``param_dtype`` is the gathered, compute dtype (e.g. bf16,
     with fp32 local storage); ``reduce_dtype`` the gradient reduction dtype.
     ``orthogonalised(name, shape)`` says which parameters count Newton–Schulz
-    work in the balance. Parameters on the meta device stay there until
+    work in the balance. ``experts`` splits the routed experts of every module
+    with a ``token_dispatcher`` and ``inner_experts`` over its group instead
+    (expert parallelism). Parameters on the meta device stay there until
     ``layout.materialise``; real ones are sliced and the rest freed.
     """
     groups = _groups(group, replicate_group)
@@ -156,8 +263,8 @@ def flex_shard(
     if not any(m is model for m in unit_modules):
         unit_modules.append(model)  # the root gathers whatever no other unit claims
     owners = _unit_of_each_parameter(model, unit_modules)
-    specs = [
-        ParameterSpec(
+    specs = {
+        name: ParameterSpec(
             name=name,
             shape=tuple(param.shape),
             itemsize=param.element_size(),
@@ -165,14 +272,22 @@ def flex_shard(
             orthogonalised=orthogonalised(name, tuple(param.shape)),
         )
         for name, param in model.named_parameters()
-    ]
-    plan = plan_ownership(specs, groups.size)
-    slots = _localise(model, plan, groups.rank)
+    }
+    routed = _plan_experts(model, specs, experts) if experts is not None else None
+    expert_names = set(routed.names) if routed is not None else set()
+    dense = [spec for name, spec in specs.items() if name not in expert_names]
+    plan = plan_ownership(dense, groups.size)
+    ranges = {spec.name: plan.ranges[spec.name][groups.rank] for spec in dense}
+    if routed is not None:
+        for module_name, per_rank in routed.ranges.items():
+            for name in _stacked_experts(model.get_submodule(module_name), module_name):
+                ranges[name] = per_rank[routed.rank]
+    slots = _localise(model, specs, ranges)
     unit_names = {id(m): n for n, m in model.named_modules()}
     gather_units = []
     for module in unit_modules:
         unit_name = unit_names[id(module)] or ROOT_UNIT
-        names = [s.name for s in specs if s.unit == unit_name]
+        names = [s.name for s in dense if s.unit == unit_name]
         if not names:
             continue
         unit_slots = [slots[n] for n in names]
@@ -188,7 +303,59 @@ def flex_shard(
                 reduce_dtype=reduce_dtype,
             )
         )
-    return FlexShardLayout(model, plan, slots, gather_units, groups)
+    return FlexShardLayout(model, plan, specs, slots, gather_units, groups, routed)
+
+
+def _stacked_experts(module: nn.Module, module_name: str) -> list[str]:
+    return [
+        f"{module_name}.inner_experts.{n}"
+        for n, p in module.inner_experts.named_parameters()
+        if p.ndim == 3
+    ]
+
+
+def _plan_experts(
+    model: nn.Module, specs: dict[str, ParameterSpec], parallel: ExpertParallel
+) -> _Experts:
+    """Whole experts over the expert-parallel group: one stack per routed-expert
+    module (its matrices together), and each module's dispatcher swapped for ours."""
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank(parallel.group) if initialised else 0
+    size = dist.get_world_size(parallel.group) if initialised else 1
+    modules = routed_expert_modules(model)
+    if not modules:
+        raise PlanError(
+            "expert parallelism asked for, but the model has no module with a "
+            "token_dispatcher and inner_experts; expected torchtitan-style routed experts"
+        )
+    stacks, names = [], []
+    for module_name, module in modules:
+        members = [specs[n] for n in _stacked_experts(module, module_name)]
+        counts = {spec.shape[0] for spec in members}
+        if len(counts) != 1:
+            raise PlanError(f"{module_name}: its expert stacks disagree on the expert count")
+        (experts,) = counts
+        check_expert_split(module_name, experts, size)
+        per_expert = sum(spec.matrix_numel for spec in members)
+        stacks.append(
+            ParameterSpec(
+                module_name, (experts, 1, per_expert), members[0].itemsize, module_name, False
+            )
+        )
+        names += [spec.name for spec in members]
+    plan = plan_ownership(stacks, size)
+    for module_name, module in modules:
+        module.token_dispatcher = AllToAllDispatcher(
+            parallel.group, rank, plan.ranges[module_name], _top_k(module)
+        )
+    return _Experts(names, parallel, rank, size, plan)
+
+
+def _top_k(module: nn.Module) -> int:
+    top_k = getattr(module.token_dispatcher, "top_k", None)
+    if not isinstance(top_k, int):
+        raise PlanError(f"{type(module).__name__}'s token_dispatcher has no integer top_k")
+    return top_k
 
 
 def _unit_of_each_parameter(model: nn.Module, unit_modules: Sequence[nn.Module]) -> dict[str, str]:
@@ -214,13 +381,15 @@ def _unit_of_each_parameter(model: nn.Module, unit_modules: Sequence[nn.Module])
 
 
 @torch.no_grad()
-def _localise(model: nn.Module, plan: OwnershipPlan, rank: int) -> dict[str, Slot]:
+def _localise(
+    model: nn.Module, specs: dict[str, ParameterSpec], ranges: dict[str, tuple[int, int]]
+) -> dict[str, Slot]:
     slots = {}
     for name, param in list(model.named_parameters()):
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
-        spec = plan.spec(name)
-        start, stop = plan.ranges[name][rank]
+        spec = specs[name]
+        start, stop = ranges[name]
         full = param.detach()
         if not full.is_meta:
             stacked = full if spec.stacked else full.unsqueeze(0)

@@ -70,7 +70,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
         for name, param in layout.named_local_parameters():
             if not param.requires_grad:
                 continue
-            shape = layout.plan.spec(name).shape
+            shape = layout.spec(name).shape
             use_muon = algorithm == "muon" and orthogonalised(name, shape)
             (muon if use_muon else adamw).append((name, param))
         groups = [

@@ -59,18 +59,41 @@ def _layout(job):
     return job.state[NAME]
 
 
-def _check_budget(job, plan) -> None:
+def _check_budget(job, layout) -> None:
     limit = job.config.section(NAME).max_rank_gib
     if not limit:
         return
-    copies = _COPIES[job.config.optimizer.name]
-    need = max(plan.rank_bytes()) * copies
+    need = layout.max_local_bytes() * _COPIES[job.config.optimizer.name]
     if need > limit * GIB:
         raise FlexShardError(
-            f"flexshard.max_rank_gib = {limit}: the most loaded of {plan.group_size} rank(s) "
+            f"flexshard.max_rank_gib = {limit}: the most loaded of {job.world_size} rank(s) "
             f"would hold {need / GIB:.2f} GiB of parameters, gradients and optimizer state; "
             "expected more ranks or a larger limit"
         )
+
+
+def _groups(job):
+    """(shard group, replicate group, expert parallelism) for ``job.mesh``.
+
+    Without ``ep`` the owned layout spans ``dp_shard``. With ``ep > 1`` it spans
+    ``dp_shard × ep`` (every rank reads its own data), the experts split over
+    ``ep``, and their copies sit along ``dp_replicate × dp_shard``."""
+    import torch.distributed as dist
+
+    from europa.flexshard.experts import ExpertParallel
+
+    mesh, parallel = job.mesh, job.config.parallel
+    replicate = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
+    if parallel.ep == 1:
+        return mesh["dp_shard"].get_group(), replicate, None
+    ranks = mesh.mesh  # [dp_replicate, dp_shard, ep] -> global rank
+    shard, _ = dist.new_subgroups_by_enumeration([r.flatten().tolist() for r in ranks])
+    copies = None
+    if ranks.shape[0] * ranks.shape[1] > 1:
+        per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]
+        copies, _ = dist.new_subgroups_by_enumeration(per_ep)
+    experts = ExpertParallel(group=mesh["ep"].get_group(), copies=copies)
+    return shard, replicate, experts
 
 
 @hookimpl
@@ -79,27 +102,22 @@ def europa_shard_model(job, model):
 
     from europa.flexshard.layout import flex_shard
 
-    parallel = job.config.parallel
-    if parallel.ep > 1:
-        raise FlexShardError(
-            f"parallel.ep = {parallel.ep}: europa-flexshard lays out data parallelism only "
-            "in this version; expected 1"
-        )
     table = job.config.section(NAME)
     bf16 = job.config.training.dtype == "bfloat16"
-    replicate = job.mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
+    shard, replicate, experts = _groups(job)
     layout = flex_shard(
         model,
-        group=job.mesh["dp_shard"].get_group(),
+        group=shard,
         replicate_group=replicate,
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=getattr(torch, table.reduce_dtype) if bf16 else None,
+        experts=experts,
     )
-    _check_budget(job, layout.plan)
+    _check_budget(job, layout)
     job.state[NAME] = layout
     job.claim(NAME, list(layout.slots))
     if table.log_plan and job.is_main:
-        print(layout.plan.describe(), file=sys.stderr, flush=True)
+        print(layout.describe(), file=sys.stderr, flush=True)
     return model
 
 
@@ -147,27 +165,56 @@ def unit_of(name: str) -> str:
 @hookimpl
 def europa_plan(job, plan):
     """Reads ``plan["parameter_shapes"]`` ({name: shape}) and ``plan["world_size"]``;
-    adds ``plan["flexshard"]``: the ownership summary (bytes per rank, max / mean)
-    and the bytes communicated inside ``optimizer.step()`` (none)."""
+    adds ``plan["flexshard"]``: the ownership summary (bytes per rank, max / mean),
+    the bytes communicated inside ``optimizer.step()`` (none), and with
+    ``parallel.ep > 1`` the resident routed-expert bytes per rank and the expert
+    all-to-all payload per rank and step. 3-D parameters are the routed experts."""
+    from europa.flexshard.experts import all_to_all_bytes_per_rank
     from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
 
-    parallel = job.config.parallel
-    shard_ranks = plan["world_size"] // (parallel.dp_replicate * parallel.ep)
+    cfg = job.config
+    parallel, model, training = cfg.parallel, cfg.model, cfg.training
+    ep = parallel.ep
+    shard_ranks = plan["world_size"] // parallel.dp_replicate  # dp_shard × ep
     itemsize = plan.get("parameter_itemsize", 4)
+    shapes = {name: tuple(shape) for name, shape in plan["parameter_shapes"].items()}
+    routed = {name for name, shape in shapes.items() if ep > 1 and len(shape) == 3}
     specs = [
-        ParameterSpec(
-            name,
-            tuple(shape),
-            itemsize,
-            unit_of(name),
-            orthogonalised=orthogonalised_by_default(name, tuple(shape)),
-        )
-        for name, shape in plan["parameter_shapes"].items()
+        ParameterSpec(name, shape, itemsize, unit_of(name), orthogonalised_by_default(name, shape))
+        for name, shape in shapes.items()
+        if name not in routed
     ]
     ownership = plan_ownership(specs, shard_ranks)
-    plan[NAME] = ownership.summary() | {
-        "optimizer_step_bytes_communicated": 0,
-        "state_bytes_per_rank_max": max(ownership.rank_bytes(), default=0)
-        * _COPIES[job.config.optimizer.name],
-    }
+    copies = _COPIES[cfg.optimizer.name]
+    summary = ownership.summary() | {"optimizer_step_bytes_communicated": 0}
+    expert_bytes = 0
+    if routed:
+        stacks: dict[str, list[tuple[int, ...]]] = {}
+        for name in sorted(routed):
+            stacks.setdefault(name.rpartition(".")[0], []).append(shapes[name])
+        experts = plan_ownership(
+            [
+                ParameterSpec(module, (s[0][0], 1, sum(x[1] * x[2] for x in s)), itemsize, module)
+                for module, s in stacks.items()
+            ],
+            ep,
+        )
+        expert_bytes = max(experts.rank_bytes())
+        recompute = cfg.section("activation_checkpointing").mode == "full"
+        activation_bytes = 2 if training.dtype == "bfloat16" else 4
+        per_micro = all_to_all_bytes_per_rank(
+            tokens=training.batch_size * training.seq_len,
+            top_k=model.top_k,
+            dim=model.dim,
+            itemsize=activation_bytes,
+            num_experts=model.num_experts,
+            moe_layers=len(stacks),
+            forward_passes=2 if recompute else 1,
+        )
+        summary |= {
+            "routed_expert_bytes_per_rank": experts.rank_bytes(),
+            "expert_all_to_all_bytes_per_rank_per_step": per_micro * training.grad_accum_steps,
+        }
+    summary["state_bytes_per_rank_max"] = (summary["bytes_max"] + expert_bytes) * copies
+    plan[NAME] = summary

@@ -116,7 +116,7 @@ class FlexShardState:
 
     def _global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's ``[owned, *matrix]``) as the full-shaped tensor it is part of."""
-        spec = self.layout.plan.spec(name)
+        spec = self.layout.spec(name)
         slot = self.layout.slots[name]
         mine = local.detach() if spec.stacked else local.detach().reshape(-1, *spec.shape)
         if self.layout.groups.shard is None and not dist.is_initialized():

@@ -14,8 +14,8 @@ if TYPE_CHECKING:
 def check_cross_field_rules(config: EuropaConfig) -> None:
     _check_model(config)
     m, t, p = config.model, config.training, config.parallel
-    if m.num_experts % p.ep:
-        raise fail("parallel.ep", p.ep, f"a divisor of model.num_experts ({m.num_experts})")
+    if p.ep > m.num_experts:  # uneven splits are fine: 6 experts over 4 ranks is 2, 2, 1, 1
+        raise fail("parallel.ep", p.ep, f"at most model.num_experts ({m.num_experts})")
     if p.dp_shard == 0:
         raise fail("parallel.dp_shard", p.dp_shard, "-1 (all remaining ranks) or an integer > 0")
     if t.seq_len > m.max_seq_len:

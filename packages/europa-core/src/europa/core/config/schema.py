@@ -84,7 +84,9 @@ class ParallelConfig:
     nproc: int = setting(1, gt=0, doc="local worker processes when not under torchrun/SLURM")
     dp_replicate: int = setting(1, gt=0)
     dp_shard: int = setting(-1, ge=-1, doc="-1: every rank not used by other axes")
-    ep: int = setting(1, gt=0, doc="expert-parallel degree")
+    ep: int = setting(
+        1, gt=0, doc="expert-parallel degree: routed experts split over this many ranks"
+    )
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
 

@@ -133,12 +133,14 @@ def init_distributed(
 
 
 def data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
-    """(rank, size) of this process among the data-parallel replicas and shards:
-    ranks that differ only along ``ep`` read the same data."""
-    replicate, shard = mesh["dp_replicate"], mesh["dp_shard"]
-    size = replicate.size() * shard.size()
-    rank = replicate.get_local_rank() * shard.size() + shard.get_local_rank()
-    return rank, size
+    """(rank, size) of this process among the ranks reading different data: all of them.
+
+    Expert parallelism splits the experts, not the data: as in torchtitan, where
+    the ep ranks are data-parallel ranks too, each ep rank trains on its own
+    sequences and sends their tokens to the ranks owning their experts."""
+    replicate, shard, ep = (mesh[axis] for axis in MESH_AXES)
+    rank = (replicate.get_local_rank() * shard.size() + shard.get_local_rank()) * ep.size()
+    return rank + ep.get_local_rank(), replicate.size() * shard.size() * ep.size()
 
 
 def shutdown() -> None:

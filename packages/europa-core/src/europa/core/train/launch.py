@@ -44,7 +44,7 @@ def preflight(
     """Fail in the launching process, with one line, on anything a worker would hit later."""
     import torch
 
-    r, s, _ = mesh_shape(config.parallel, world_size)
+    mesh_shape(config.parallel, world_size)
     model = plugins.hook.europa_build_model(
         job=Job(config=config, run_dir=Path("."), world_size=world_size)
     )
@@ -53,7 +53,7 @@ def preflight(
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, count_parameters(model), torch.device("cpu"), world_size, world_size)
-    build_batches(config, dp_rank=0, dp_world=r * s)
+    build_batches(config, dp_rank=0, dp_world=world_size)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
