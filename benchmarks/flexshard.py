@@ -24,181 +24,67 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import socket
 import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
-
-
-class CollectiveBytes(TorchDispatchMode):
-    """Adds up the payload a rank hands to each collective while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.bytes = 0
-        self.calls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        namespace = func.namespace
-        name = func.__name__
-        if namespace in COLLECTIVE_NAMESPACES and not name.startswith("wait"):
-            self.calls += 1
-            self.bytes += _payload(namespace, name.split(".")[0], args)
-        return func(*args, **(kwargs or {}))
-
-
-def _nbytes(value: Any) -> int:
-    if isinstance(value, torch.Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, list | tuple):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
-def _payload(namespace: str, name: str, args: tuple) -> int:
-    if namespace == "_c10d_functional":
-        return _nbytes(args[0])  # the input comes first
-    if name in ("_allgather_base_", "_reduce_scatter_base_", "alltoall_base_"):
-        return _nbytes(args[1])  # (output, input, ...)
-    if name in ("allgather_", "reduce_scatter_", "alltoall_"):
-        return _nbytes(args[1])
-    return _nbytes(args[0])  # allreduce_, broadcast_, reduce_: the buffer
-
-
-def _local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
-
-
-def _timed(fn: Callable, samples: list[float]) -> Callable:
-    def wrapper(*args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            samples.append(time.perf_counter() - started)
-
-    return wrapper
-
-
-def _rank_main(rank: int, world: int, port: int, args: dict, results) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    try:
-        results.put((rank, _run_rank(rank, world, args)))
-    except BaseException as err:  # reported by the parent
-        import traceback
-
-        results.put((rank, {"error": "".join(traceback.format_exception(err))}))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _harness import (
+    CollectiveBytes,
+    inside,
+    local_bytes,
+    run_ranks,
+    timed,
+    trainer_on_rank,
+)
 
 
 def _run_rank(rank: int, world: int, args: dict) -> dict:
-    import warnings
-    from pathlib import Path
-
-    from europa.core.job import Job
-    from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed, shutdown
-    from europa.core.train.loop import Trainer
-
-    warnings.filterwarnings("ignore")
     overrides = [
         'optimizer.name="muon"',
         f"optimizer.lr={args['lr']}",
         f"training.batch_size={args['batch_size']}",
         f"training.seq_len={args['seq_len']}",
         f"training.steps={args['steps']}",
-        "metrics.progress=false",
-        'parallel.device="cpu"',  # gloo ranks on the CPU cores, also on a GPU machine
     ]
     plugins = ["flexshard"] if args["layout"] == "flexshard" else []
-    if plugins:
-        overrides.append("flexshard.log_plan=false")
-    config, manager = open_session(args["preset"], overrides, plugins)
-    device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
-    try:
-        job = Job(config=config, run_dir=Path("."), rank=rank, world_size=world,
-                  local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        trainer = Trainer(job, manager, resume=False)
+    with trainer_on_rank(rank, world, args["preset"], overrides, plugins) as trainer:
         optimizer_s: list[float] = []
-        trainer.optimizer.step = _timed(trainer.optimizer.step, optimizer_s)
+        trainer.optimizer.step = timed(trainer.optimizer.step, optimizer_s)
         step_s, losses = [], []
         counted = {}
         for step in range(args["steps"]):
             if step == 1:  # a step of its own for counting: the dispatch mode costs time
                 with CollectiveBytes() as whole:
-                    inner = CollectiveBytes()
+                    in_step = CollectiveBytes()
                     plain_step = trainer.optimizer.step
-                    trainer.optimizer.step = _inside(inner, plain_step)
+                    trainer.optimizer.step = inside(in_step, plain_step)
                     record = trainer.step(step)
                     trainer.optimizer.step = plain_step
-                counted = {"step": whole.bytes, "optimizer_step": inner.bytes,
-                           "optimizer_step_calls": inner.calls}  # fmt: skip
+                counted = {"step": whole.bytes, "optimizer_step": in_step.bytes,
+                           "optimizer_step_calls": in_step.calls}  # fmt: skip
             else:
                 record = trainer.step(step)
                 if step >= 2:
                     step_s.append(record["step_time_s"])
             losses.append(record["loss"])
-        timed_optimizer = optimizer_s[2:]
         state = sum(
-            _local_bytes(v)
+            local_bytes(v)
             for per_param in trainer.optimizer.state.values()
             for v in per_param.values()
             if isinstance(v, torch.Tensor) and v.ndim > 0
         )
-        params = sum(_local_bytes(p) for p in trainer.model.parameters())
+        params = sum(local_bytes(p) for p in trainer.model.parameters())
         return {
-            "optimizer_step_s": statistics.median(timed_optimizer),
+            "optimizer_step_s": statistics.median(optimizer_s[2:]),
             "step_s": statistics.median(step_s),
             "collective_bytes": counted,
             "parameter_and_state_bytes": params + state,
             "losses": losses,
         }
-    finally:
-        shutdown()
-
-
-def _inside(mode: CollectiveBytes, fn: Callable) -> Callable:
-    def wrapper(*args, **kwargs):
-        with mode:
-            return fn(*args, **kwargs)
-
-    return wrapper
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_configuration(world: int, args: dict) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank_main, args=(rank, world, port, args, results))
-        for rank in range(world)
-    ]
-    for proc in procs:
-        proc.start()
-    collected = dict(results.get(timeout=1800) for _ in procs)
-    for proc in procs:
-        proc.join()
-    for rank, result in collected.items():
-        if "error" in result:
-            raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
-    return [collected[rank] for rank in range(world)]
 
 
 def summarise(layout: str, world: int, per_rank: list[dict]) -> dict:
@@ -231,14 +117,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 3:
         parser.error("--steps must be at least 3 (warm-up, counted, timed)")
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
 
     configs, comparisons = [], []
     for world in args.ranks:
         by_layout = {}
         for layout in ("fsdp2", "flexshard"):
             run_args = vars(args) | {"layout": layout}
-            by_layout[layout] = summarise(layout, world, run_configuration(world, run_args))
+            by_layout[layout] = summarise(layout, world, run_ranks(_run_rank, world, run_args))
             configs.append(by_layout[layout])
             if not args.json:
                 print(json.dumps(by_layout[layout]), file=sys.stderr)
