@@ -4,6 +4,7 @@ and a dispatch mode that counts the payload of every collective."""
 from __future__ import annotations
 
 import contextlib
+import json
 import multiprocessing as mp
 import os
 import socket
@@ -138,3 +139,20 @@ def run_ranks(fn: Callable, world: int, args: dict) -> list[dict]:
         if "error" in result:
             raise RuntimeError(f"rank {rank} failed:\n{result['error']}")
     return [collected[rank] for rank in range(world)]
+
+
+def print_result(benchmark: str, args: Any, configs: list, comparisons: Any, **extra: Any) -> None:
+    """The JSON a benchmark prints: what ran, on what, and the measured ratios."""
+    result = {
+        "benchmark": benchmark,
+        "preset": args.preset,
+        "batch_size_per_rank": args.batch_size,
+        "seq_len": args.seq_len,
+        "steps": args.steps,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        **extra,
+        "configs": configs,
+        "comparisons": comparisons,
+    }
+    print(json.dumps(result, indent=2))

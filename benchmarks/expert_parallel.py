@@ -22,15 +22,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import CollectiveBytes, local_bytes, run_ranks, trainer_on_rank
+from _harness import CollectiveBytes, local_bytes, print_result, run_ranks, trainer_on_rank
 
 ALL_TO_ALL_EVENTS = ("all_to_all", "alltoall", "wait_tensor")
 
@@ -171,23 +168,7 @@ def main() -> None:
                 "final_loss_relative_difference": abs(c["losses"][-1] - base["losses"][-1])
                 / abs(base["losses"][-1]),
             }
-    print(
-        json.dumps(
-            {
-                "benchmark": "expert_parallel",
-                "preset": args.preset,
-                "ranks": args.ranks,
-                "batch_size_per_rank": args.batch_size,
-                "seq_len": args.seq_len,
-                "steps": args.steps,
-                "cpu_count": os.cpu_count(),
-                "torch": torch.__version__,
-                "configs": configs,
-                "comparisons": comparisons,
-            },
-            indent=2,
-        )
-    )
+    print_result("expert_parallel", args, configs, comparisons, ranks=args.ranks)
 
 
 if __name__ == "__main__":

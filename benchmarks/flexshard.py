@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -36,6 +35,7 @@ from _harness import (
     CollectiveBytes,
     inside,
     local_bytes,
+    print_result,
     run_ranks,
     timed,
     trainer_on_rank,
@@ -148,19 +148,7 @@ def main() -> None:
                 / abs(base["losses"][-1]),
             }
         )
-    result = {
-        "benchmark": "flexshard",
-        "preset": args.preset,
-        "optimizer": "muon",
-        "batch_size_per_rank": args.batch_size,
-        "seq_len": args.seq_len,
-        "steps": args.steps,
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "configs": configs,
-        "comparisons": comparisons,
-    }
-    print(json.dumps(result, indent=2))
+    print_result("flexshard", args, configs, comparisons, optimizer="muon")
 
 
 if __name__ == "__main__":
