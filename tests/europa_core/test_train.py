@@ -11,6 +11,8 @@ import tomli
 
 from europa.cli.app import run
 from europa.core.train.checkpoint import complete_checkpoints
+from tests.conftest import run_ranks
+from tests.trainer_runs import Run, train_runs
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -81,47 +83,57 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(tmp_path):
 
 
 def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
-    fsdp, hsdp = tmp_path / "fsdp", tmp_path / "hsdp"
-    _train(fsdp, "--nproc", "4", "--set", "training.steps=2")
-    _train(hsdp, "--nproc", "4", "--set", "training.steps=2", "--set", "parallel.dp_replicate=2")
-    assert _losses(hsdp) == pytest.approx(_losses(fsdp), rel=1e-6)
-    written = tomli.loads((hsdp / "config.toml").read_text())
+    runs = [
+        Run("fsdp", ["training.steps=2"]),
+        Run("hsdp", ["training.steps=2", "parallel.dp_replicate=2"]),
+    ]
+    losses = _losses_of(run_ranks(train_runs, 4, str(tmp_path), runs, timeout=300)[0])
+    assert losses["hsdp"] == pytest.approx(losses["fsdp"], rel=1e-6)
+    written = tomli.loads((tmp_path / "hsdp" / "config.toml").read_text())
     assert written["parallel"]["dp_replicate"] == 2
 
 
-def test_activation_checkpointing_changes_memory_not_results(tmp_path):
-    plain, recomputed = tmp_path / "plain", tmp_path / "ac"
-    _train(plain, "--set", "training.steps=3")
-    _train(recomputed, "--set", "training.steps=3", "--set", 'activation_checkpointing.mode="full"')
-    assert _losses(recomputed) == pytest.approx(_losses(plain), rel=1e-6)
-    assert _records(recomputed)[-1]["expert_load"] == _records(plain)[-1]["expert_load"]
+# What changes memory or arithmetic but not the model's course: these runs share one
+# spawned group of 2 ranks (each run is what a rank of `europa train` does).
+ACCUMULATE_2 = "training.grad_accum_steps=2"
+VARIANTS = [
+    Run("plain", ["training.steps=3", "training.batch_size=8"]),
+    Run("recomputed", ["training.steps=3", 'activation_checkpointing.mode="full"']),
+    Run("accumulated", ["training.steps=3", "training.batch_size=4", ACCUMULATE_2]),
+    Run("bf16", ["training.steps=3", 'training.dtype="bfloat16"']),
+    Run("muon", ["training.steps=15", 'optimizer.name="muon"', "optimizer.lr=0.02"]),
+]
 
 
-def test_gradient_accumulation_matches_a_larger_batch(tmp_path):
-    big, accumulated = tmp_path / "big", tmp_path / "accum"
-    _train(big, "--set", "training.steps=3", "--set", "training.batch_size=8")
-    _train(
-        accumulated,
-        "--set", "training.steps=3",
-        "--set", "training.batch_size=4",
-        "--set", "training.grad_accum_steps=2",
-    )  # fmt: skip
-    assert _losses(accumulated) == pytest.approx(_losses(big), rel=1e-5)
+@pytest.fixture(scope="module")
+def variants(tmp_path_factory) -> dict[str, list[dict]]:
+    root = tmp_path_factory.mktemp("variants")
+    return run_ranks(train_runs, 2, str(root), VARIANTS, timeout=300)[0]
 
 
-def test_bfloat16_mixed_precision_tracks_fp32(tmp_path):
-    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
-    _train(fp32, "--set", "training.steps=3")
-    _train(bf16, "--set", "training.steps=3", "--set", 'training.dtype="bfloat16"')
-    assert _losses(bf16) == pytest.approx(_losses(fp32), rel=1e-2)
-    assert _losses(bf16) != _losses(fp32)  # bf16 compute really ran
+def _losses_of(runs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    return {name: [r["loss"] for r in records] for name, records in runs.items()}
 
 
-def test_muon_trains(tmp_path):
-    run_dir = tmp_path / "muon"
-    _train(run_dir, "--set", "training.steps=15", "--set", 'optimizer.name="muon"',
-           "--set", "optimizer.lr=0.02")  # fmt: skip
-    losses = _losses(run_dir)
+def test_activation_checkpointing_changes_memory_not_results(variants):
+    losses = _losses_of(variants)
+    assert losses["recomputed"] == pytest.approx(losses["plain"], rel=1e-6)
+    assert variants["recomputed"][-1]["expert_load"] == variants["plain"][-1]["expert_load"]
+
+
+def test_gradient_accumulation_matches_a_larger_batch(variants):
+    losses = _losses_of(variants)
+    assert losses["accumulated"] == pytest.approx(losses["plain"], rel=1e-5)
+
+
+def test_bfloat16_mixed_precision_tracks_fp32(variants):
+    losses = _losses_of(variants)
+    assert losses["bf16"] == pytest.approx(losses["plain"], rel=1e-2)
+    assert losses["bf16"] != losses["plain"]  # bf16 compute really ran
+
+
+def test_muon_trains(variants):
+    losses = _losses_of(variants)["muon"]
     assert losses[-1] < losses[0] - 0.5, losses
 
 

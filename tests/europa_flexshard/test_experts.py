@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,6 +10,7 @@ from hypothesis import strategies as st
 from europa.cli.app import run
 from europa.flexshard import ParameterSpec, plan_ownership
 from tests.conftest import run_ranks
+from tests.trainer_runs import Run, train_runs
 
 DIM = 4
 
@@ -143,52 +140,20 @@ def test_dispatch_and_combine_match_the_single_process_layer(world, data):
 # -- training with parallel.ep: every run in one spawned group of 4 ranks -----------------
 
 QUIET = ["--set", "metrics.progress=false"]
-RUNS = [  # (name, parallel.ep, resume from the ep=2 run's step-2 checkpoint)
-    ("ep1", 1, False),
-    ("ep2", 2, False),
-    ("ep4", 4, False),  # 6 experts over 4 ranks: 2, 2, 1, 1
-    ("ep2-resumed-ep2", 2, True),
-    ("ep2-resumed-ep1", 1, True),
+COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
+RUNS = [
+    Run("ep1", [*COMMON, "parallel.ep=1"], ["flexshard"]),
+    Run("ep2", [*COMMON, "parallel.ep=2"], ["flexshard"]),
+    Run("ep4", [*COMMON, "parallel.ep=4"], ["flexshard"]),  # 6 experts over 4: 2, 2, 1, 1
+    # The ep=2 run's step-2 checkpoint, resumed as ep=2 and as ep=1.
+    Run("ep2-resumed-ep2", [*COMMON, "parallel.ep=2"], ["flexshard"], resume_from="ep2"),
+    Run("ep2-resumed-ep1", [*COMMON, "parallel.ep=1"], ["flexshard"], resume_from="ep2"),
 ]
-
-
-def _train_runs(rank: int, world: int, root: str) -> dict[str, list[dict]]:
-    """What ``europa train tiny -p flexshard --nproc 4`` does on each rank, run after run."""
-    import torch.distributed as dist
-
-    from europa.core.job import Job
-    from europa.core.run_dir import prepare_run_dir
-    from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
-    from europa.core.train.loop import Trainer
-
-    records = {}
-    for name, ep, resume in RUNS:
-        run_dir = Path(root) / name
-        overrides = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6",
-                     f"parallel.ep={ep}", "metrics.progress=false"]  # fmt: skip
-        config, plugins = open_session("tiny", overrides, ["flexshard"])
-        if rank == 0:
-            if resume:
-                shutil.copytree(Path(root) / "ep2", run_dir)
-                shutil.rmtree(run_dir / "checkpoints" / "step-00000004")
-            prepare_run_dir(config, run_dir, resume=resume)
-        dist.barrier()
-        device, mesh = init_distributed(
-            config.parallel, ProcessPlace(rank, world, rank, "torchrun")
-        )
-        job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
-                  local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        Trainer(job, plugins, resume).run()
-        dist.barrier()
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
-        records[name] = [json.loads(line) for line in lines]
-    return records
 
 
 @pytest.mark.distributed
 def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(tmp_path):
-    runs = run_ranks(_train_runs, 4, str(tmp_path), timeout=300)[0]
+    runs = run_ranks(train_runs, 4, str(tmp_path), RUNS, timeout=300)[0]
     losses = {name: [r["loss"] for r in records] for name, records in runs.items()}
     for ep in ("ep2", "ep4"):  # the same global batch: equal within fp32 noise
         assert losses[ep] == pytest.approx(losses["ep1"], rel=1e-5)

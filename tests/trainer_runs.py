@@ -1,0 +1,52 @@
+"""Several ``europa train`` runs inside one spawned group of gloo ranks.
+
+Each run is what one rank of ``europa train`` does (the same Trainer), so one
+process start serves many configurations; rank 0 returns each run's metrics."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    overrides: list[str] = field(default_factory=list)
+    plugins: list[str] = field(default_factory=list)
+    resume_from: str | None = None  # another run's name: its step-2 checkpoint
+    preset: str = "tiny"
+
+
+def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, list[dict]]:
+    import torch.distributed as dist
+
+    from europa.core.job import Job
+    from europa.core.run_dir import prepare_run_dir
+    from europa.core.session import open_session
+    from europa.core.train.distributed import ProcessPlace, init_distributed
+    from europa.core.train.loop import Trainer
+
+    records = {}
+    for run in runs:
+        run_dir = Path(root) / run.name
+        overrides = [*run.overrides, "metrics.progress=false"]
+        config, plugins = open_session(run.preset, overrides, run.plugins)
+        if rank == 0:
+            if run.resume_from:
+                shutil.copytree(Path(root) / run.resume_from, run_dir)
+                for later in sorted((run_dir / "checkpoints").glob("step-*"))[1:]:
+                    shutil.rmtree(later)
+            prepare_run_dir(config, run_dir, resume=run.resume_from is not None)
+        dist.barrier()
+        place = ProcessPlace(rank, world, rank, "torchrun")
+        device, mesh = init_distributed(config.parallel, place)
+        job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
+                  local_rank=rank, device=device, mesh=mesh)  # fmt: skip
+        Trainer(job, plugins, run.resume_from is not None).run()
+        dist.barrier()
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+        records[run.name] = [json.loads(line) for line in lines]
+    return records
