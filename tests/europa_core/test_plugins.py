@@ -468,6 +468,7 @@ def test_every_hook_docstring_states_how_it_is_called():
         "europa_wrap_model",
         "europa_init_parameters",
         "europa_build_optimizer",
+        "europa_wrap_optimizer",
         "europa_step_context",
         "europa_clip_gradients",
         "europa_after_step",

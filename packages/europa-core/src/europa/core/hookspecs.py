@@ -140,6 +140,16 @@ def europa_build_optimizer(job: Job, model: torch.nn.Module) -> torch.optim.Opti
     """
 
 
+@hookspec
+def europa_wrap_optimizer(job: Job) -> None:
+    """Wrap the built optimizer, after europa_build_optimizer (all run), in hook order.
+
+    ``job.optimizer`` holds it; an implementation may replace it with a wrapper
+    that delegates to it (europa-offload keeps its state in host memory). Core
+    steps ``job.optimizer``; checkpoints and the schedule use the built one.
+    """
+
+
 # --------------------------------------------------------------------------------------
 # step
 # --------------------------------------------------------------------------------------

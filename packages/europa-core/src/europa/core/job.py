@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 class Job:
     """``emit_metrics`` writes a record (rank 0's sink; a no-op elsewhere).
     ``claims`` maps parameter name -> the plugin laying it out. ``state`` is
-    where plugins keep per-run objects they share between their own hooks."""
+    where plugins keep per-run objects they share between their own hooks.
+    ``optimizer`` is the optimizer core steps, once built (see
+    ``europa_wrap_optimizer``)."""
 
     config: EuropaConfig
     run_dir: Path
@@ -32,6 +34,7 @@ class Job:
     emit_metrics: Callable[[dict[str, Any]], None] = lambda record: None
     claims: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
+    optimizer: Any = None
 
     @property
     def is_main(self) -> bool:

@@ -161,6 +161,8 @@ class GatherUnit:
             self.fulls = list(_GatherFunction.apply(self, *locals_))
         else:
             self.fulls = self.all_gather()
+        for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
+            full.europa_gathered_parameter = True
         self._shadow(self.fulls)
 
     def _post_forward(self, module: nn.Module, args, output) -> None:

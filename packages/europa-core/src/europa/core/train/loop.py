@@ -61,9 +61,12 @@ class Trainer:
         init_buffers(model, job.device)
         model.train()
         self.model = model
-        self.optimizer = hook.europa_build_optimizer(job=job, model=model)
-        self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=self.optimizer)
-        self.scheduler = build_scheduler(self.optimizer, cfg.training.steps, cfg.lr_schedule)
+        built = hook.europa_build_optimizer(job=job, model=model)
+        self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=built)
+        self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
+        job.optimizer = built
+        hook.europa_wrap_optimizer(job=job)
+        self.optimizer = job.optimizer
         self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)

@@ -1,0 +1,175 @@
+"""``europa train -p offload``: europa's hooks over this package's plain API.
+
+Imports only pluggy and the standard library at module level (torch when a
+hook runs); ``job`` is used by duck typing: ``job.config`` (its ``optimizer``
+and ``offload`` tables), ``job.device``, ``job.state``, ``job.optimizer``.
+``job.state["offload"]`` holds the run's ``ActivationOffload`` (its pool and
+statistics) and, with ``optimizer_state``, the ``OffloadedOptimizer``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import os
+from dataclasses import dataclass, field
+
+import pluggy
+
+from europa.offload.errors import OffloadError
+
+hookimpl = pluggy.HookimplMarker("europa")
+
+NAME = "offload"
+GIB = 2**30
+_STATE_COPIES = {"adamw": 2, "muon": 1}  # fp32 tensors of optimizer state per parameter
+
+
+@dataclass(kw_only=True)
+class OffloadConfig:
+    activations: bool = field(
+        default=True, metadata={"doc": "offload the saved activations of the blocks"}
+    )
+    blocks: list[str] = field(
+        default_factory=lambda: ["layers.*"],
+        metadata={"doc": "module-name patterns of the blocks whose activations are offloaded"},
+    )
+    keep_last_blocks: int = field(
+        default=1, metadata={"ge": 0, "doc": "the last N blocks keep their activations"}
+    )
+    min_tensor_kib: int = field(
+        default=256, metadata={"ge": 0, "doc": "smaller saved tensors stay on the device"}
+    )
+    optimizer_state: bool = field(
+        default=False, metadata={"doc": "keep optimizer state in host memory between steps"}
+    )
+    optimizer_chunk_mib: int = field(
+        default=256, metadata={"gt": 0, "doc": "optimizer state streamed to the device at once"}
+    )
+    host_memory_gib: float = field(
+        default=0.0,
+        metadata={"ge": 0, "doc": "host memory this rank may use; 0: available / local ranks"},
+    )
+
+
+@hookimpl
+def europa_config_sections():
+    return {NAME: OffloadConfig}
+
+
+def host_budget_bytes(table: OffloadConfig) -> int:
+    """``host_memory_gib``, or this machine's available memory shared by its local ranks."""
+    if table.host_memory_gib:
+        return int(table.host_memory_gib * GIB)
+    with open("/proc/meminfo") as meminfo:
+        available = next(int(line.split()[1]) * 1024 for line in meminfo if "MemAvailable" in line)
+    return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _blocks(model, patterns):
+    """The outermost modules whose names match ``patterns``, in forward order."""
+    chosen: list[str] = []
+    for name, module in model.named_modules():
+        if not name or any(name.startswith(c + ".") for c in chosen):
+            continue
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            chosen.append(name)
+            yield name, module
+
+
+@hookimpl
+def europa_wrap_model(job, model):
+    from europa.offload.activations import ActivationOffload, OffloadPolicy
+    from europa.offload.pool import HostBufferPool
+
+    table = job.config.section(NAME)
+    pool = HostBufferPool(limit_bytes=host_budget_bytes(table))
+    offload = ActivationOffload(
+        OffloadPolicy(
+            min_bytes=table.min_tensor_kib * 1024,
+            patterns=("*",),
+            keep_last_blocks=table.keep_last_blocks,
+        ),
+        pool,
+    )
+    if table.activations:
+        matched = list(_blocks(model, table.blocks))
+        if not matched:
+            raise OffloadError(
+                f"offload.blocks = {table.blocks!r}: no module of the model matches; expected "
+                "patterns of block names such as 'layers.*'"
+            )
+        offload.wrap(matched)
+    job.state[NAME] = offload
+
+
+@hookimpl
+def europa_wrap_optimizer(job):
+    table = job.config.section(NAME)
+    if not table.optimizer_state:
+        return
+    from europa.offload.optimizer import OffloadedOptimizer
+    from europa.offload.pool import human
+
+    offload = job.state[NAME]
+    needed = sum(
+        p.numel() * 4 * _STATE_COPIES[job.config.optimizer.name]
+        for group in job.optimizer.param_groups
+        for p in group["params"]
+    )
+    offload.pool.reserved_bytes = needed
+    if offload.pool.limit_bytes is not None and needed > offload.pool.limit_bytes:
+        raise OffloadError(
+            f"offload.host_memory_gib = {offload.pool.limit_bytes / GIB:.3g}: this rank's "
+            f"optimizer state alone needs {human(needed)} of host memory; expected a "
+            "larger budget, more ranks or offload.optimizer_state = false"
+        )
+    job.optimizer = OffloadedOptimizer(job.optimizer, chunk_bytes=table.optimizer_chunk_mib << 20)
+    job.state[f"{NAME}.optimizer"] = job.optimizer
+
+
+@hookimpl
+def europa_step_context(job, step):
+    offload = job.state.get(NAME)
+
+    @contextlib.contextmanager
+    def released_after_step():
+        try:
+            yield
+        finally:
+            offload.release()
+
+    return released_after_step() if offload is not None else None
+
+
+@hookimpl
+def europa_after_step(job, step, metrics):
+    offload = job.state[NAME]
+    metrics.update(offload.take_stats().as_metrics())
+    metrics["offload_pool_allocations"] = offload.pool.allocations
+    metrics["offload_host_bytes"] = offload.pool.allocated_bytes + offload.pool.reserved_bytes
+
+
+@hookimpl
+def europa_plan(job, plan):
+    """Reads ``plan["parameter_shapes"]`` and ``plan["world_size"]``; adds
+    ``plan["offload"]``: the host budget and the optimizer-state bytes a rank
+    moves to host memory (activation bytes are measured at run time,
+    ``offload_bytes_offloaded`` in metrics.jsonl)."""
+    table = job.config.section(NAME)
+    parameters = sum(_numel(shape) for shape in plan["parameter_shapes"].values())
+    state = parameters * 4 * _STATE_COPIES[job.config.optimizer.name] // plan["world_size"]
+    plan[NAME] = {
+        "host_budget_bytes_per_rank": host_budget_bytes(table),
+        "optimizer_state_host_bytes_per_rank": state if table.optimizer_state else 0,
+        "activations": table.activations,
+        "blocks": list(table.blocks),
+        "keep_last_blocks": table.keep_last_blocks,
+    }
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -1,0 +1,99 @@
+"""``europa train -p offload``: exact results under FSDP2 and FlexShard, accounting, budgets."""
+
+from __future__ import annotations
+
+import pytest
+
+from europa.cli.app import run
+from tests.conftest import run_ranks
+from tests.trainer_runs import Run, train_runs
+
+COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_size=2",
+          'optimizer.name="muon"', "optimizer.lr=0.02"]  # fmt: skip
+OFFLOAD = ["offload.min_tensor_kib=1"]
+RECOMPUTE = ['activation_checkpointing.mode="full"']
+STATE = ["offload.optimizer_state=true", "offload.optimizer_chunk_mib=1"]  # several chunks
+RUNS = [
+    Run("fsdp2", COMMON),
+    Run("fsdp2-offload", [*COMMON, *OFFLOAD], ["offload"]),
+    Run("fsdp2-recompute", [*COMMON, *RECOMPUTE]),
+    Run("fsdp2-recompute-offload", [*COMMON, *RECOMPUTE, *OFFLOAD], ["offload"]),
+    Run("flexshard", COMMON, ["flexshard"]),
+    Run("flexshard-offload", [*COMMON, *OFFLOAD, *STATE], ["flexshard", "offload"]),
+]
+PAIRS = [("fsdp2", "fsdp2-offload"), ("fsdp2-recompute", "fsdp2-recompute-offload"),
+         ("flexshard", "flexshard-offload")]  # fmt: skip
+
+
+@pytest.mark.distributed
+def test_offload_changes_no_result_under_fsdp2_and_flexshard(tmp_path):
+    runs = run_ranks(train_runs, 2, str(tmp_path), RUNS, timeout=300)[0]
+    for plain, offloaded in PAIRS:
+        for a, b in zip(runs[plain], runs[offloaded], strict=True):
+            assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (plain, a["step"])
+        records = runs[offloaded]
+        assert all(r["offload_bytes_offloaded"] > 0 for r in records), offloaded
+        assert len({r["offload_pool_allocations"] for r in records}) == 1  # no growth after step 1
+        assert all(r["offload_peak_saved_device_bytes"] >= 0 for r in records)
+    # Checkpointing keeps only each block's input: far less to offload.
+    assert (
+        runs["fsdp2-recompute-offload"][0]["offload_bytes_offloaded"]
+        < runs["fsdp2-offload"][0]["offload_bytes_offloaded"] / 4
+    )
+
+
+QUIET = ["--set", "metrics.progress=false"]
+
+
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        (
+            ["offload.host_memory_gib=0.001"],
+            "offload.host_memory_gib = 0.001: this rank would hold 1.51 MiB in host memory "
+            "(0.00 MiB of optimizer state, 1.51 MiB of saved activations); expected a larger "
+            "budget, a larger offload.min_tensor_kib, more blocks kept on the device "
+            "(offload.keep_last_blocks) or more ranks",
+        ),
+        (
+            ["offload.optimizer_state=true", "offload.host_memory_gib=0.001"],
+            "offload.host_memory_gib = 0.001: this rank's optimizer state alone needs 14.82 MiB "
+            "of host memory; expected a larger budget, more ranks or "
+            "offload.optimizer_state = false",
+        ),
+        (
+            ["offload.blocks=['decoder.*']"],
+            "offload.blocks = ['decoder.*']: no module of the model matches; expected patterns "
+            "of block names such as 'layers.*'",
+        ),
+    ],
+)
+def test_a_budget_or_policy_that_cannot_hold_is_refused_in_one_line(
+    tmp_path, capsys, settings, message
+):
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    run_dir = str(tmp_path / "run")
+    code = run(["train", "tiny", "-p", "offload", "--nproc", "1", *QUIET, *sets,
+                "--set", "offload.min_tensor_kib=1", "--run-dir", run_dir])  # fmt: skip
+    assert code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert errors == [f"europa: error: {message}"]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_the_plan_hook_states_the_host_budget_and_the_state_moved():
+    from types import SimpleNamespace
+
+    from europa.core.model import build_moe_model
+    from europa.core.session import open_session
+    from europa.offload import plugin
+
+    config, _ = open_session(
+        "tiny", ["offload.optimizer_state=true", "offload.host_memory_gib=2"], ["offload"]
+    )
+    model = build_moe_model(config.model)
+    plan = {"parameter_shapes": {n: p.shape for n, p in model.named_parameters()}, "world_size": 2}
+    plugin.europa_plan(job=SimpleNamespace(config=config), plan=plan)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert plan["offload"]["host_budget_bytes_per_rank"] == 2 * 2**30
+    assert plan["offload"]["optimizer_state_host_bytes_per_rank"] == parameters * 8 // 2

@@ -1,0 +1,41 @@
+"""A technique package installed into a fresh environment beside torch and pluggy only."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+PACKAGES = Path(__file__).resolve().parents[1] / "packages"
+
+
+def python_with_only(tmp_path: Path, distribution: str) -> Path:
+    """A new environment with ``distribution`` installed and torch and pluggy importable
+    from this one. This environment's site-packages is added as a plain path, so the
+    editable-install hooks there (europa-core's among them) are not processed: europa-core
+    is absent."""
+    env = tmp_path / "env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    python = env / "bin" / "python"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
+         "--no-deps", str(PACKAGES / distribution)],
+        check=True,
+    )  # fmt: skip
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([python, "-c", purelib], text=True).strip())
+    (site / "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    return python
+
+
+def run_without_core(python: Path, code: str) -> subprocess.CompletedProcess:
+    """Run ``code`` there, first checking that europa-core cannot be imported, and
+    after it that no europa.core module was loaded."""
+    guarded = (
+        "import importlib.util, sys\n"
+        "assert importlib.util.find_spec('europa.core') is None, 'europa-core is importable'\n"
+        f"{code}\n"
+        "assert not any(m.startswith('europa.core') for m in sys.modules)\n"
+    )
+    return subprocess.run([python, "-c", guarded], capture_output=True, text=True)
