@@ -10,10 +10,11 @@ Design note. Each wrapped block runs its forward inside
   side stream that first waits for the compute stream (an event orders it),
   and ``record_stream`` keeps the caching allocator from reusing the source
   until the copy is done; nothing synchronises the device.
-* *unpack* (backward): the first tensor asked for from block *b* starts the
-  host-to-device copies of block *b − 1*'s tensors on the side stream, so
-  they arrive while block *b* computes; a tensor is handed over once its copy's
-  event is waited on by the compute stream. On a CPU-only machine the host
+* *unpack* (backward): the first tensor asked for from block *b* is copied
+  back at once, then the rest of block *b*'s and all of block *b − 1*'s
+  tensors start coming back on the side stream, so they arrive while block *b*
+  computes; a tensor is handed over once the compute stream waits on its
+  copy's event. On a CPU-only machine the host
   buffer is the tensor: unpack hands it over without a copy.
 * host buffers return to the pool at the end of the backward that used them
   (``queue_callback``), so the next micro-batch or step reuses them.
@@ -185,19 +186,25 @@ class ActivationOffload:
         backward.used.append(handle)
         if handle.device.type != "cuda":
             return handle.host  # a CPU-only machine: the host buffer is the tensor
-        self._prefetch(handle.block - 1, backward)
-        if handle.on_device is None:  # not prefetched: bring it now
+        if handle.on_device is None:  # not prefetched: bring it now, ahead of the rest
             self._copy_in(handle)
             self.stats.bytes_reloaded += handle.host.numel() * handle.host.element_size()
+        self._prefetch(handle.block, backward)  # the rest of this block, then the one before
+        self._prefetch(handle.block - 1, backward)
         torch.cuda.current_stream(handle.device).wait_event(handle.arrived)
         tensor, handle.on_device = handle.on_device, None
         return tensor
 
     def _copy_in(self, handle: _Handle) -> None:
+        # Allocated on the compute stream, which frees it after use; the side stream
+        # first waits for the compute stream's earlier work (a previous user of that
+        # memory), then for the tensor's own device-to-host copy.
+        compute = torch.cuda.current_stream(handle.device)
+        handle.on_device = torch.empty_like(handle.host, device=handle.device)
         side = self._side_stream(handle.device)
+        side.wait_stream(compute)
         with torch.cuda.stream(side):
             side.wait_event(handle.stored)
-            handle.on_device = torch.empty_like(handle.host, device=handle.device)
             handle.on_device.copy_(handle.host, non_blocking=True)
             handle.arrived = torch.cuda.Event()
             handle.arrived.record(side)
@@ -245,6 +252,9 @@ class ActivationOffload:
         ran backward, e.g. under evaluation); call between steps."""
         for handles in self._by_block.values():
             for handle in handles:
+                for event in (handle.stored, handle.arrived):
+                    if event is not None:
+                        event.synchronize()  # no copy may still use the buffer
                 self.pool.give_back(handle.buffer)
         self._by_block.clear()
         self.stats.saved_device_bytes = 0
