@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,9 +19,13 @@ def python_with_only(tmp_path: Path, distribution: str) -> Path:
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
+    source = tmp_path / distribution  # pip builds in the source tree: keep ours clean
+    shutil.copytree(
+        PACKAGES / distribution, source, ignore=shutil.ignore_patterns("build", "*.egg-info")
+    )
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--no-deps", str(PACKAGES / distribution)],
+         "--no-deps", str(source)],
         check=True,
     )  # fmt: skip
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
