@@ -41,14 +41,14 @@ def _seeded_grads(names_and_shapes, step):
     return {name: torch.randn(shape, generator=g) for name, shape in names_and_shapes}
 
 
-def _laid_out_model():
+def _laid_out_model(experts=None):
     from europa.core.model import MatrixInitialiser, init_buffers
     from europa.flexshard import flex_shard
 
     model = build_moe_model(_config().model)
     init_matrix = MatrixInitialiser(model, SEED)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    layout = flex_shard(model)
+    layout = flex_shard(model, experts=experts)
     layout.materialise("cpu", init_matrix)
     init_buffers(model, torch.device("cpu"))
     return model, layout, shapes
@@ -63,7 +63,12 @@ def _flexshard_rank(rank: int, world: int) -> dict:
     _loss(model, tokens).backward()
     local_grads = {n: p.grad.clone() for n, p in layout.named_local_parameters()}
     norm = layout.clip_grad_norm_(0.0)
+    from europa.flexshard.experts import ExpertParallel
+
+    # 6 experts a layer split over every rank: the layers' runs differ when uneven.
+    _, expert_layout, _ = _laid_out_model(experts=ExpertParallel())
     return {
+        "initial_expert_parallel": expert_layout.full_parameters(),
         "initial": initial,
         "local_grads": local_grads,
         "ranges": dict(layout.plan.ranges),
@@ -137,6 +142,7 @@ def test_flexshard_equals_the_single_process_model_and_optimizer(ranks, world):
         assert result["ranges"] == first["ranges"], f"rank {rank} planned differently"
         for name, expected in initial.items():  # bit-identical initial weights
             assert torch.equal(result["initial"][name], expected), name
+            assert torch.equal(result["initial_expert_parallel"][name], expected), name
         for name, local in result["local_grads"].items():  # each rank holds its own share
             start, stop = first["ranges"][name][rank]
             full = grads[name] if grads[name].ndim == 3 else grads[name].unsqueeze(0)

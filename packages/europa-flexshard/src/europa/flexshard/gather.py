@@ -38,8 +38,8 @@ from torch.utils._pytree import tree_flatten
 from europa.flexshard.segments import UnitSegments
 
 # torch 2.13 renamed the single-tensor collectives; earlier releases know the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -110,7 +110,7 @@ class GatherUnit:
         if g.size == 1:
             return segments.unpack(send.view(1, -1))
         rows = send.new_empty(g.size * segments.width)
-        _all_gather(rows, send, group=g.shard)
+        all_gather(rows, send, group=g.shard)
         return segments.unpack(rows.view(g.size, segments.width))
 
     def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
@@ -124,7 +124,7 @@ class GatherUnit:
             mine = rows[0]
         else:
             mine = rows.new_empty(segments.width)
-            _reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard)
+            reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard)
         if g.replicas > 1:
             dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=g.replicate)
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks

@@ -28,7 +28,7 @@ from europa.flexshard.experts import (
     check_expert_split,
     routed_expert_modules,
 )
-from europa.flexshard.gather import GatherUnit, Groups, Slot
+from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
 
@@ -186,7 +186,7 @@ class FlexShardLayout:
                 fulls[slot.name] = full
         if self.experts is not None:
             for name in self.experts.names:
-                fulls[name] = self.experts.gather(self.slots[name].local.detach())
+                fulls[name] = self.experts.gather(name, self.slots[name].local.detach())
         return fulls
 
 
@@ -194,15 +194,15 @@ class FlexShardLayout:
 class _Experts:
     """The routed experts of a layout: their names, plan and groups."""
 
-    names: list[str]
+    modules: dict[str, str]  # expert parameter -> its routed-expert module
     parallel: ExpertParallel
     rank: int
     size: int
     plan: OwnershipPlan  # one stack per routed-expert module, over the expert group
 
     @property
-    def ranges(self) -> dict[str, tuple[tuple[int, int], ...]]:
-        return dict(self.plan.ranges)
+    def names(self) -> list[str]:
+        return list(self.modules)
 
     @property
     def group(self) -> dist.ProcessGroup | None:
@@ -217,21 +217,18 @@ class _Experts:
             dist.all_reduce(out, op=dist.ReduceOp.SUM, group=copies)
         return out
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """A stack of experts in full, from each rank's run of them (a collective)."""
+    def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """Expert parameter ``name`` in full, from each rank's run of it (a collective)."""
         if self.size == 1:
             return local.clone()
-        widest = max(stop - start for start, stop in next(iter(self.ranges.values())))
+        counts = self.plan.counts(self.modules[name])  # each layer splits its own way
+        widest = max(counts)
         padded = local.new_zeros(widest, *local.shape[1:])
         padded[: local.shape[0]] = local
         rows = local.new_empty(self.size * widest, *local.shape[1:])
-        _all_gather_experts(rows, padded, group=self.group)
-        counts = [stop - start for start, stop in next(iter(self.ranges.values()))]
+        all_gather(rows, padded, group=self.group)
         pieces = [rows[r * widest : r * widest + count] for r, count in enumerate(counts)]
         return torch.cat(pieces)
-
-
-_all_gather_experts = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def flex_shard(
@@ -279,9 +276,8 @@ def flex_shard(
     plan = plan_ownership(dense, groups.size)
     ranges = {spec.name: plan.ranges[spec.name][groups.rank] for spec in dense}
     if routed is not None:
-        for module_name, per_rank in routed.ranges.items():
-            for name in _stacked_experts(model.get_submodule(module_name), module_name):
-                ranges[name] = per_rank[routed.rank]
+        for name, module_name in routed.modules.items():
+            ranges[name] = routed.plan.ranges[module_name][routed.rank]
     slots = _localise(model, specs, ranges)
     unit_names = {id(m): n for n, m in model.named_modules()}
     gather_units = []
@@ -328,7 +324,7 @@ def _plan_experts(
             "expert parallelism asked for, but the model has no module with a "
             "token_dispatcher and inner_experts; expected torchtitan-style routed experts"
         )
-    stacks, names = [], []
+    stacks, owners = [], {}
     for module_name, module in modules:
         members = [specs[n] for n in _stacked_experts(module, module_name)]
         counts = {spec.shape[0] for spec in members}
@@ -342,13 +338,13 @@ def _plan_experts(
                 module_name, (experts, 1, per_expert), members[0].itemsize, module_name, False
             )
         )
-        names += [spec.name for spec in members]
+        owners |= {spec.name: module_name for spec in members}
     plan = plan_ownership(stacks, size)
     for module_name, module in modules:
         module.token_dispatcher = AllToAllDispatcher(
             parallel.group, rank, plan.ranges[module_name], _top_k(module)
         )
-    return _Experts(names, parallel, rank, size, plan)
+    return _Experts(owners, parallel, rank, size, plan)
 
 
 def _top_k(module: nn.Module) -> int:
