@@ -118,10 +118,13 @@ class AllToAllDispatcher:
             counts, [mine] * len(self.ranges), self.experts_per_rank, self.group
         )
         received_counts = received_counts.view(len(self.ranges), mine)
-        sent = [int(counts[start:stop].sum()) for start, stop in self.ranges]
-        received = received_counts.sum(dim=1).tolist()
+        # Split sizes are host integers: read each count tensor once (one sync on a GPU).
+        per_expert = counts.tolist()
+        by_source = received_counts.tolist()
+        sent = [sum(per_expert[start:stop]) for start, stop in self.ranges]
+        received = [sum(row) for row in by_source]
         arrived = all_to_all_single_autograd(pairs, received, sent, self.group)
-        regroup = _by_local_expert(received_counts)
+        regroup = _by_local_expert(by_source, x_TD.device)
         exchange = _Exchange(token_indices, scores, sent, received, regroup)
         return arrived[regroup], received_counts.sum(dim=0), exchange
 
@@ -137,20 +140,24 @@ class AllToAllDispatcher:
         return None
 
 
-def _by_local_expert(received_counts: torch.Tensor) -> torch.Tensor:
-    """Indices that reorder pairs received source by source (each source's pairs
-    sorted by expert) into local-expert order, sources in order within an expert."""
-    sources, experts = received_counts.shape
-    flat = received_counts.reshape(-1)
-    starts = torch.cumsum(flat, 0) - flat
-    order = torch.arange(sources * experts).view(sources, experts).t().reshape(-1)
+def _by_local_expert(counts: list[list[int]], device: torch.device) -> torch.Tensor:
+    """Indices that reorder pairs received source by source (``counts[source][expert]``,
+    each source's pairs sorted by expert) into local-expert order, sources in order
+    within an expert."""
+    starts, offset = [], 0
+    for row in counts:
+        starts.append([])
+        for count in row:
+            starts[-1].append(offset)
+            offset += count
+    experts = len(counts[0]) if counts else 0
     pieces = [
-        torch.arange(int(starts[i]), int(starts[i] + flat[i]), device=received_counts.device)
-        for i in order.tolist()
+        torch.arange(starts[source][expert], starts[source][expert] + counts[source][expert])
+        for expert in range(experts)
+        for source in range(len(counts))
     ]
-    if not pieces:
-        return torch.zeros(0, dtype=torch.int64, device=received_counts.device)
-    return torch.cat(pieces)
+    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return order.to(device)
 
 
 def check_expert_split(name: str, num_experts: int, ranks: int) -> None:
