@@ -33,6 +33,7 @@ no torchtitan import is needed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +44,7 @@ from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
 from europa.flexshard.errors import PlanError
+from europa.flexshard.plan import ParameterSpec
 
 
 @dataclass(frozen=True)
@@ -158,6 +160,19 @@ def _by_local_expert(counts: list[list[int]], device: torch.device) -> torch.Ten
     ]
     order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
     return order.to(device)
+
+
+def expert_stack(module_name: str, shapes: Sequence[Sequence[int]], itemsize: int) -> ParameterSpec:
+    """A routed-expert module's ``[E, rows, cols]`` parameters as one stack to plan:
+    E matrices, each holding one expert's matrices together, so they share an owner."""
+    counts = {shape[0] for shape in shapes}
+    if len(counts) != 1:
+        raise PlanError(f"{module_name}: its expert stacks disagree on the expert count")
+    (experts,) = counts
+    per_expert = sum(math.prod(shape[1:]) for shape in shapes)
+    return ParameterSpec(
+        module_name, (experts, 1, per_expert), itemsize, module_name, orthogonalised=False
+    )
 
 
 def check_expert_split(name: str, num_experts: int, ranks: int) -> None:

@@ -26,6 +26,7 @@ from europa.flexshard.experts import (
     AllToAllDispatcher,
     ExpertParallel,
     check_expert_split,
+    expert_stack,
     routed_expert_modules,
 )
 from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather
@@ -327,17 +328,9 @@ def _plan_experts(
     stacks, owners = [], {}
     for module_name, module in modules:
         members = [specs[n] for n in _stacked_experts(module, module_name)]
-        counts = {spec.shape[0] for spec in members}
-        if len(counts) != 1:
-            raise PlanError(f"{module_name}: its expert stacks disagree on the expert count")
-        (experts,) = counts
-        check_expert_split(module_name, experts, size)
-        per_expert = sum(spec.matrix_numel for spec in members)
-        stacks.append(
-            ParameterSpec(
-                module_name, (experts, 1, per_expert), members[0].itemsize, module_name, False
-            )
-        )
+        stack = expert_stack(module_name, [m.shape for m in members], members[0].itemsize)
+        check_expert_split(module_name, stack.matrices, size)
+        stacks.append(stack)
         owners |= {spec.name: module_name for spec in members}
     plan = plan_ownership(stacks, size)
     for module_name, module in modules:

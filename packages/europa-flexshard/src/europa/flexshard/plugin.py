@@ -169,7 +169,7 @@ def europa_plan(job, plan):
     the bytes communicated inside ``optimizer.step()`` (none), and with
     ``parallel.ep > 1`` the resident routed-expert bytes per rank and the expert
     all-to-all payload per rank and step. 3-D parameters are the routed experts."""
-    from europa.flexshard.experts import all_to_all_bytes_per_rank
+    from europa.flexshard.experts import all_to_all_bytes_per_rank, expert_stack
     from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
 
@@ -190,15 +190,14 @@ def europa_plan(job, plan):
     summary = ownership.summary() | {"optimizer_step_bytes_communicated": 0}
     expert_bytes = 0
     if routed:
-        stacks: dict[str, list[tuple[int, ...]]] = {}
-        for name in sorted(routed):
-            stacks.setdefault(name.rpartition(".")[0], []).append(shapes[name])
+        stacks: dict[str, list[tuple[int, ...]]] = {}  # in model order, as at run time
+        for name, shape in shapes.items():
+            if name in routed:
+                # torchtitan's stacks live in <module>.inner_experts; plan per <module>
+                module = name.rpartition(".")[0].removesuffix(".inner_experts")
+                stacks.setdefault(module, []).append(shape)
         experts = plan_ownership(
-            [
-                ParameterSpec(module, (s[0][0], 1, sum(x[1] * x[2] for x in s)), itemsize, module)
-                for module, s in stacks.items()
-            ],
-            ep,
+            [expert_stack(module, s, itemsize) for module, s in stacks.items()], ep
         )
         expert_bytes = max(experts.rank_bytes())
         recompute = cfg.section("activation_checkpointing").mode == "full"
