@@ -52,6 +52,7 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
     ]
     plugins = ["flexshard"] if args["layout"] == "flexshard" else []
     with trainer_on_rank(rank, world, args["preset"], overrides, plugins) as trainer:
+        initial_equal = _initial_weights_equal_one_process(trainer, rank, args["preset"])
         optimizer_s: list[float] = []
         trainer.optimizer.step = timed(trainer.optimizer.step, optimizer_s)
         step_s, losses = [], []
@@ -84,7 +85,25 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
             "collective_bytes": counted,
             "parameter_and_state_bytes": params + state,
             "losses": losses,
+            "initial_weights_equal_one_process": initial_equal,
         }
+
+
+def _initial_weights_equal_one_process(trainer, rank: int, preset: str) -> bool | None:
+    """Gather the initial weights (a collective) and, on rank 0, compare them bit for
+    bit with a single-process initialisation of the same model."""
+    from europa.core.model import build_moe_model, materialise
+
+    layout = trainer.job.state.get("flexshard")
+    if layout is not None:
+        full = layout.full_parameters()
+    else:
+        full = {n: p.full_tensor() for n, p in trainer.model.named_parameters()}
+    if rank != 0:
+        return None
+    reference = build_moe_model(trainer.job.config.model)
+    materialise(reference, torch.device("cpu"), trainer.job.config.run.seed)
+    return all(torch.equal(full[n], p.detach()) for n, p in reference.named_parameters())
 
 
 def summarise(layout: str, world: int, per_rank: list[dict]) -> dict:
@@ -102,6 +121,7 @@ def summarise(layout: str, world: int, per_rank: list[dict]) -> dict:
         "step_s": max(r["step_s"] for r in per_rank),
         "parameter_and_state_bytes_per_rank": [r["parameter_and_state_bytes"] for r in per_rank],
         "losses": per_rank[0]["losses"],
+        "initial_weights_equal_one_process": per_rank[0]["initial_weights_equal_one_process"],
     }
 
 
