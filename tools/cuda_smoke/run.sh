@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The CUDA smoke check, as run on a lent GPU machine through the device tool.
+#
+# Prepare here (wheels of our packages and of what the GPU image lacks go in .whl/,
+# which .git/info/exclude must ignore):
+#   python -m pip wheel --no-deps -w .whl packages/europa-core packages/europa-cli \
+#       packages/europa-flexshard packages/europa-offload
+#   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#       --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 \
+#       spmd_types==0.2.3 tomli==2.5.0 tomli_w==1.2.0 tyro==1.0.17 \
+#       docstring_parser==0.18.0 typeguard==4.6.1
+# Then run there, carrying .whl:  bash tools/cuda_smoke/run.sh
+# Results land in $OUT: env.txt, flexshard_alone.json, smoke.txt, pytest_cuda.txt and
+# the benchmarks' JSON (their CPU halves run on the machine's cores).
+set -u
+here=$(dirname "$0")
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site
+python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), torch.version.cuda)" | tee $OUT/env.txt
+nproc >> $OUT/env.txt
+timeout 120 python3 $here/flexshard_alone.py > $OUT/flexshard_alone.json
+cat $OUT/flexshard_alone.json
+# torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims (torch 2.13);
+# a GPU image with an older torch gets that one name from the shim.
+export PYTHONPATH=/tmp/site:$PWD/$here/shim
+for dtype in float32 bfloat16; do
+  for plugin in none flexshard offload; do
+    name=$dtype-$plugin
+    flag=""; [ $plugin != none ] && flag="-p $plugin"
+    start=$SECONDS
+    timeout 150 python3 -m europa.cli train debug $flag --nproc 1 --run-dir /tmp/runs/$name \
+      --set training.steps=10 --set metrics.progress=false --set "training.dtype=\"$dtype\"" \
+      > /tmp/$name.log 2>&1
+    echo "$name exit=$? seconds=$((SECONDS - start))" | tee -a $OUT/smoke.txt
+    tail -4 /tmp/$name.log | cut -c1-400 >> $OUT/smoke.txt
+    [ -f /tmp/runs/$name/metrics.jsonl ] && python3 $here/collect.py /tmp/runs/$name >> $OUT/smoke.txt
+  done
+done
+timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ > $OUT/pytest_cuda.txt 2>&1
+echo "pytest exit=$?" >> $OUT/pytest_cuda.txt
+tail -5 $OUT/pytest_cuda.txt
+timeout 200 python3 benchmarks/offload.py --json > $OUT/bench_offload.json
+timeout 200 python3 benchmarks/flexshard.py --json > $OUT/bench_flexshard_cpu.json
+timeout 200 python3 benchmarks/expert_parallel.py --json > $OUT/bench_expert_parallel_cpu.json
+cat $OUT/smoke.txt
