@@ -113,8 +113,8 @@ def _reference_steps(algorithm: str) -> dict[str, torch.Tensor]:
     named = list(model.named_parameters())
     if algorithm == "muon":
         optimizer = MuonWithAdamW(
-            [p for n, p in named if uses_muon(n, p)],
-            [p for n, p in named if not uses_muon(n, p)],
+            [p for n, p in named if uses_muon(n, p.ndim)],
+            [p for n, p in named if not uses_muon(n, p.ndim)],
             lr=0.02,
             weight_decay=0.1,
         )

@@ -211,9 +211,19 @@ def europa_checkpoint_state(
 
 @hookspec
 def europa_plan(job: Job, plan: dict[str, Any]) -> None:
-    """State what this plugin changes in the analytic memory and communication
-    plan (all run), so ``europa plan`` composes plugins as ``europa train`` does.
-    ``plan`` is a mutable mapping of named memory and traffic terms."""
+    """State what this plugin changes in the analytic plan (all run), so
+    ``europa plan`` and ``europa train``'s pre-flight check compose plugins as
+    ``europa train`` does. ``plan`` is a mutable mapping; core fills in
+    ``world_size``, ``parameter_shapes`` ({name: shape}), ``parameter_itemsize``,
+    ``hardware`` (the profile's keys) and ``layout`` (core's FSDP2) and then
+    reads back:
+
+    * ``layout``: replaced by a plugin that lays parameters out its own way;
+      the keys are documented in ``europa.core.plan.layout``;
+    * ``host_offload``: what moves to host memory (``europa.core.plan.memory.HostOffload``);
+    * ``overlapped_kinds``: the communication kinds this plugin runs beside compute.
+
+    Any other key a plugin adds (its own name, by convention) is reported as is."""
 
 
 # --------------------------------------------------------------------------------------

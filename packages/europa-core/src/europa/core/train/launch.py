@@ -15,7 +15,6 @@ from pathlib import Path
 from europa.core.config import EuropaConfig
 from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
 from europa.core.job import Job
-from europa.core.model import count_parameters
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     SUMMARY_FILE,
@@ -52,7 +51,7 @@ def preflight(
         config.parallel.device == "auto" and not torch.cuda.is_available()
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
-        check_fits(config, count_parameters(model), torch.device("cpu"), world_size, world_size)
+        check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
     build_batches(config, dp_rank=0, dp_world=world_size)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)

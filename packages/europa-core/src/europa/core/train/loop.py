@@ -53,7 +53,7 @@ class Trainer:
         model = hook.europa_build_model(job=job)
         self.counts = count_parameters(model)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_fits(cfg, self.counts, job.device, job.world_size, local_ranks)
+        check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model)
         init_matrix = MatrixInitialiser(model, cfg.run.seed)  # full shapes: before sharding
         model = hook.europa_shard_model(job=job, model=model)
         hook.europa_wrap_model(job=job, model=model)

@@ -1,10 +1,9 @@
-"""Refuse, before allocating anything, a model whose weights, gradients and
-optimizer state cannot fit the memory of the machine it was asked to run on.
+"""Refuse, before allocating anything, a run that cannot fit the memory of the
+machine it was asked to run on.
 
-This is a floor (activations come on top), not the planner: it exists so that
-``europa train kimi-k2`` on a workstation says so in one line instead of
-being killed by the kernel half-way through materialising a trillion
-parameters.
+The figures are the planner's (``europa.core.plan``), computed for this
+machine with its memory measured now, so ``europa train`` refuses with the
+same line ``europa plan --hardware <this kind of machine>`` prints.
 """
 
 from __future__ import annotations
@@ -13,24 +12,9 @@ import torch
 
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ResourceError
-from europa.core.model.counting import ParameterCounts
-
-# Sharded master weights and gradients stay fp32 in both dtypes (bf16 is
-# FSDP2 mixed precision: only gathered copies and compute are bf16).
-_MASTER_AND_GRADIENT_BYTES = 4 + 4
-_OPTIMIZER_FP32_COPIES = {"adamw": 2, "muon": 1}  # muon: momentum; its AdamW share is small
-GIB = 1024**3
 
 
-def bytes_per_rank(config: EuropaConfig, counts: ParameterCounts, world_size: int) -> int:
-    optimizer = 4 * _OPTIMIZER_FP32_COPIES[config.optimizer.name]
-    return counts.total * (_MASTER_AND_GRADIENT_BYTES + optimizer) // world_size
-
-
-def available_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+def _meminfo_available() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
             if line.startswith("MemAvailable:"):
@@ -38,27 +22,27 @@ def available_bytes(device: torch.device) -> int:
     raise ResourceError("memory: /proc/meminfo has no MemAvailable line; expected Linux")
 
 
-def _human(n: int) -> str:
-    for unit, size in (("TiB", 1024**4), ("GiB", GIB), ("MiB", 1024**2)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return _meminfo_available()
 
 
 def check_fits(
     config: EuropaConfig,
-    counts: ParameterCounts,
+    plugins,
     device: torch.device,
     world_size: int,
     local_ranks: int = 1,
+    model=None,
 ) -> None:
-    """``local_ranks`` processes share this device's memory (CPU workers on one node)."""
-    need = bytes_per_rank(config, counts, world_size)
-    have = available_bytes(device) // max(1, local_ranks)
-    if need > have:
-        raise ResourceError(
-            f"model ({config.preset}): {counts.total / 1e9:.2f} B parameters need at least "
-            f"{_human(need)} per rank for weights, gradients and optimizer state over "
-            f"{world_size} rank(s); {device.type} memory available per rank is {_human(have)}: "
-            "expected more ranks or a smaller [model]"
-        )
+    """``local_ranks`` processes share this device's memory (CPU workers on one
+    node) and, on any machine, its host memory."""
+    from europa.core.plan import make_plan, this_machine
+
+    share = max(1, local_ranks)
+    device_bytes = available_bytes(device) // (share if device.type == "cpu" else 1)
+    host_bytes = _meminfo_available() // share
+    hardware = this_machine(device.type, device_bytes, host_bytes)
+    make_plan(config, plugins, hardware, world_size, model=model).check()

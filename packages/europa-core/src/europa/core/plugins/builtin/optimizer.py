@@ -15,9 +15,9 @@ from europa.core.hookspecs import hookimpl
 ADAMW_ONLY_NAMES = ("tok_embeddings", "lm_head", "norm", "router", "expert_bias")
 
 
-def uses_muon(name: str, param) -> bool:
+def uses_muon(name: str, ndim: int) -> bool:
     """Hidden weight matrices (and stacked expert matrices) go to Muon."""
-    if param.ndim < 2:
+    if ndim < 2:
         return False
     return not any(part in name for part in ADAMW_ONLY_NAMES)
 
@@ -44,8 +44,8 @@ def europa_build_optimizer(job, model):
     from europa.core.optim.muon import MuonWithAdamW
 
     return MuonWithAdamW(
-        muon_params=[p for n, p in named if uses_muon(n, p)],
-        adamw_params=[p for n, p in named if not uses_muon(n, p)],
+        muon_params=[p for n, p in named if uses_muon(n, p.ndim)],
+        adamw_params=[p for n, p in named if not uses_muon(n, p.ndim)],
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,

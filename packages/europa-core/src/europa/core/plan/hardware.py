@@ -1,0 +1,148 @@
+"""Hardware profiles: the figures the planner needs about a machine, as TOML.
+
+Shipped profiles live beside this file (``profiles/<name>.toml``); a user's own
+is any TOML file with the same keys. Bandwidths are GB/s per GPU in one
+direction; memory is GiB per GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import tomli
+
+from europa.core.errors import ConfigError
+
+GIB = 2**30
+_SHIPPED = "europa.core.plan.profiles"
+
+
+@dataclass(frozen=True, kw_only=True)
+class HardwareProfile:
+    name: str
+    device: str  # "cuda" or "cpu": which attention kernels run
+    gpus_per_node: int
+    device_memory_gib: float
+    device_reserved_gib: float
+    host_memory_gib: float
+    peak_tflops: dict[str, float]  # by training.dtype
+    matmul_efficiency: float
+    intra_node_gbps: float
+    inter_node_gbps: float
+    host_device_gbps: float
+    link_efficiency: float
+    shared_memory: bool = False  # CPU ranks of a node share device_memory_gib
+
+    def device_bytes_per_rank(self, ranks_per_node: int) -> int:
+        share = ranks_per_node if self.shared_memory else 1
+        return int(self.device_memory_gib * GIB / share)
+
+    def host_bytes_per_rank(self) -> int:
+        return int(self.host_memory_gib * GIB)
+
+    @property
+    def reserved_bytes(self) -> int:
+        return int(self.device_reserved_gib * GIB)
+
+    def peak_flops(self, dtype: str) -> float:
+        return self.peak_tflops[dtype] * 1e12
+
+    @property
+    def attention_kernel(self) -> str:
+        return "fused" if self.device == "cuda" else "math"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def shipped_profiles() -> list[str]:
+    names = resources.files(_SHIPPED).iterdir()
+    return sorted(p.name.removesuffix(".toml") for p in names if p.name.endswith(".toml"))
+
+
+def load_profile(name_or_path: str) -> HardwareProfile:
+    """A shipped profile by name, or a TOML file by path."""
+    if name_or_path.endswith(".toml") or os.sep in name_or_path:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise ConfigError(f"--hardware = {name_or_path!r}: no such file; expected a TOML file")
+        text = path.read_text()
+    else:
+        if name_or_path not in shipped_profiles():
+            raise ConfigError(
+                f"--hardware = {name_or_path!r}: unknown profile; expected one of "
+                f"{', '.join(shipped_profiles())} or a path to a .toml file"
+            )
+        text = resources.files(_SHIPPED).joinpath(f"{name_or_path}.toml").read_text()
+    try:
+        table = tomli.loads(text)
+    except tomli.TOMLDecodeError as err:
+        raise ConfigError(f"--hardware = {name_or_path!r}: not valid TOML ({err})") from None
+    return profile_from_table(table, name_or_path)
+
+
+def profile_from_table(table: dict, source: str) -> HardwareProfile:
+    fields = {f.name: f for f in dataclasses.fields(HardwareProfile)}
+    unknown = sorted(set(table) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"hardware {source!r}: unknown key {unknown[0]!r}; expected keys among "
+            f"{', '.join(fields)}"
+        )
+    required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
+    missing = [n for n in required if n not in table]
+    if missing:
+        raise ConfigError(f"hardware {source!r}: missing key {missing[0]!r}")
+    for key, value in table.items():
+        _check_value(source, key, value)
+    return HardwareProfile(**table)
+
+
+def _check_value(source: str, key: str, value) -> None:
+    if key in ("name", "device"):
+        expected = ("cuda", "cpu") if key == "device" else None
+        if not isinstance(value, str) or (expected and value not in expected):
+            raise ConfigError(
+                f"hardware {source!r}: {key} = {value!r}; expected "
+                + ("'cuda' or 'cpu'" if expected else "a string")
+            )
+    elif key == "shared_memory":
+        if not isinstance(value, bool):
+            raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected true or false")
+    elif key == "peak_tflops":
+        if not isinstance(value, dict) or not {"float32", "bfloat16"} <= set(value):
+            raise ConfigError(
+                f"hardware {source!r}: peak_tflops = {value!r}; expected a table with "
+                "float32 and bfloat16"
+            )
+        for dtype, tflops in value.items():
+            _check_value(source, f"peak_tflops.{dtype}", tflops)
+    elif key == "gpus_per_node":
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected an integer >= 1")
+    else:
+        positive = key not in ("device_reserved_gib", "host_memory_gib")
+        if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+            raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number >= 0")
+        if positive and value == 0:
+            raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number > 0")
+
+
+def this_machine(device_type: str, available_bytes: int, host_bytes: int = 0) -> HardwareProfile:
+    """The machine a run is starting on: the shipped profile of its kind (its
+    reserve included, so the figures match ``europa plan --hardware cpu`` or a
+    CUDA profile) with the memory measured now, per rank."""
+    base = load_profile("cpu" if device_type == "cpu" else "h100-sxm")
+    return dataclasses.replace(
+        base,
+        name=f"this {device_type} machine",
+        device=device_type,
+        gpus_per_node=1,
+        device_memory_gib=available_bytes / GIB,
+        host_memory_gib=host_bytes / GIB,
+        shared_memory=False,
+    )

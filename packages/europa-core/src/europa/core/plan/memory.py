@@ -1,0 +1,132 @@
+"""Per-rank memory, term by term, from a layout, the saved activations and what
+plugins move to host memory.
+
+State (parameters, gradients, optimizer state) is exact for the layouts
+europa runs: fp32 storage, gradients in storage of the parameters' size, AdamW's
+two moments and its fp32 step counter, Muon's momentum. The transient terms
+(gathered parameters, gradient buffers, expert buffers, the optimizer's
+workspace) are estimates of the largest moment, not measured.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+from europa.core.plan.activations import BlockActivations
+
+FP32 = 4
+STEP_COUNTER = 4  # AdamW's step is an fp32 scalar tensor per parameter
+
+
+@dataclass(frozen=True)
+class RankState:
+    """Bytes of state each rank of the layout's group holds."""
+
+    parameters: list[int]
+    gradients: list[int]
+    optimizer_state: list[int]
+
+    @classmethod
+    def of(cls, layout: dict) -> RankState:
+        stored = [n * FP32 for n in layout["stored_elements"]]
+        optimizer = [
+            FP32 * muon + 2 * FP32 * adamw + STEP_COUNTER * layout["adamw_tensors"]
+            for muon, adamw in zip(layout["muon_elements"], layout["adamw_elements"], strict=True)
+        ]
+        return cls(parameters=stored, gradients=list(stored), optimizer_state=optimizer)
+
+    def totals(self) -> list[int]:
+        return [
+            sum(t) for t in zip(self.parameters, self.gradients, self.optimizer_state, strict=True)
+        ]
+
+    def most_loaded(self) -> int:
+        totals = self.totals()
+        return totals.index(max(totals))
+
+
+@dataclass(frozen=True)
+class HostOffload:
+    """What ``plan["host_offload"]`` asks for (europa-offload fills it in)."""
+
+    activation_blocks: tuple[str, ...] = ()
+    keep_last_blocks: int = 0
+    min_tensor_bytes: int = 0
+    optimizer_state: bool = False
+    optimizer_chunk_bytes: int = 0
+    budget_bytes_per_rank: int | None = None
+
+    @classmethod
+    def of(cls, table: dict | None) -> HostOffload:
+        if not table:
+            return cls()
+        return cls(
+            activation_blocks=tuple(table.get("activation_blocks", ())),
+            keep_last_blocks=table.get("keep_last_blocks", 0),
+            min_tensor_bytes=table.get("min_tensor_bytes", 0),
+            optimizer_state=table.get("optimizer_state", False),
+            optimizer_chunk_bytes=table.get("optimizer_chunk_bytes", 0),
+            budget_bytes_per_rank=table.get("budget_bytes_per_rank"),
+        )
+
+    def offloaded_blocks(self, blocks: list[BlockActivations]) -> set[str]:
+        matched = [
+            b.name
+            for b in blocks
+            if b.name != "<root>"
+            and any(fnmatch.fnmatchcase(b.name, p) for p in self.activation_blocks)
+        ]
+        kept = self.keep_last_blocks
+        return set(matched[: len(matched) - kept] if kept else matched)
+
+
+@dataclass(frozen=True)
+class Activations:
+    device: int  # peak bytes kept on the device for one micro-batch
+    host: int  # bytes moved to host memory
+    per_block: dict[str, int]  # saved bytes per block, before offload
+
+
+def activations(
+    blocks: list[BlockActivations], tokens: int, recompute: bool, offload: HostOffload
+) -> Activations:
+    """Saved bytes of one micro-batch at the end of forward (plus, with full
+    recomputation, one block's full set, live while it is recomputed)."""
+    offloaded = offload.offloaded_blocks(blocks)
+    device = host = 0
+    per_block = {}
+    for block in blocks:
+        if recompute and block.name != "<root>":
+            pieces = [block.input_bytes_per_token * tokens]
+        else:
+            pieces = [t.bytes_per_token * tokens for t in block.tensors] + [block.fixed_bytes]
+        per_block[block.name] = sum(pieces)
+        moved = (
+            sum(p for p in pieces if p >= offload.min_tensor_bytes)
+            if block.name in offloaded
+            else 0
+        )
+        host += moved
+        device += per_block[block.name] - moved
+    if recompute:
+        device += max(b.saved_bytes(tokens) for b in blocks if b.name != "<root>")
+    return Activations(device=device, host=host, per_block=per_block)
+
+
+def transient_buffers(
+    layout: dict, compute_bytes: int, reduce_bytes: int, expert_buffer_bytes: int
+) -> dict[str, int]:
+    """The largest unit gathered (and the next one prefetched), its unsharded
+    gradient and reduce-scatter input, the expert all-to-all buffers of one
+    layer, and Muon's gathered matrix in ``optimizer.step()``."""
+    largest = max(layout["gathered_unit_elements"].values(), default=0)
+    gradient = largest * compute_bytes + (
+        largest * reduce_bytes if reduce_bytes != compute_bytes else 0
+    )
+    return {
+        "gathered_parameters": 2 * largest * compute_bytes,
+        "gradient_buffers": gradient,
+        "expert_buffers": expert_buffer_bytes,
+        "optimizer_workspace": 3 * FP32 * layout.get("largest_step_gather_elements", 0),
+    }

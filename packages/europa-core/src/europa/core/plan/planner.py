@@ -1,0 +1,263 @@
+"""``make_plan``: will this config fit, and how fast will it go?
+
+The model is built on the meta device, exactly as ``europa train`` builds it
+(through ``europa_build_model``); core's FSDP2 layout is the default and every
+enabled plugin may change the plan through ``europa_plan`` (a sharding plugin
+replaces ``plan["layout"]``, europa-offload fills ``plan["host_offload"]``,
+europa-overlap ``plan["overlapped_kinds"]``). ``europa train``'s pre-flight
+check calls the same function, so the two never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from europa.core.config.schema import EuropaConfig
+from europa.core.errors import PluginError, ResourceError
+from europa.core.job import Job
+from europa.core.plan.activations import block_activations
+from europa.core.plan.hardware import HardwareProfile
+from europa.core.plan.layout import FSDP2, fsdp2_layout
+from europa.core.plan.memory import (
+    Activations,
+    HostOffload,
+    RankState,
+    activations,
+    transient_buffers,
+)
+from europa.core.plan.shapes import ModelShapes
+from europa.core.plan.timing import (
+    LAYOUT_OVERLAPPED,
+    StepTime,
+    model_flops_per_token,
+    step_time,
+)
+from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
+from europa.core.train.distributed import mesh_shape
+
+GIB = 2**30
+_CORE_KEYS = {
+    "world_size",
+    "parameter_shapes",
+    "parameter_itemsize",
+    "hardware",
+    "layout",
+    "host_offload",
+    "overlapped_kinds",
+}
+
+
+def human(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: EuropaConfig
+    hardware: HardwareProfile
+    world_size: int
+    mesh: tuple[int, int, int]  # dp_replicate, dp_shard, ep
+    shapes: ModelShapes
+    layout: dict[str, Any]
+    state: RankState
+    activations: Activations
+    device_terms: dict[str, int]  # the most loaded rank
+    device_capacity: int
+    host_terms: dict[str, int]
+    host_capacity: int
+    traffic: list[Traffic]
+    without_overlap: StepTime
+    with_overlap: StepTime
+    overlap_enabled: bool
+    model_flops_per_token: int
+    plugins: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def device_total(self) -> int:
+        return sum(self.device_terms.values())
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host_terms.values())
+
+    @property
+    def fits_device(self) -> bool:
+        return self.device_total <= self.device_capacity
+
+    @property
+    def fits_host(self) -> bool:
+        return self.host_total <= self.host_capacity
+
+    @property
+    def fits(self) -> bool:
+        return self.fits_device and self.fits_host
+
+    @property
+    def step(self) -> StepTime:
+        return self.with_overlap if self.overlap_enabled else self.without_overlap
+
+    @property
+    def tokens_per_step(self) -> int:
+        t = self.config.training
+        return t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+
+    def rank_state(self, global_rank: int) -> dict[str, int]:
+        """State bytes of one global rank (ranks of a replica group hold the same)."""
+        r = global_rank % self.layout["group_size"]
+        return {
+            "parameters": self.state.parameters[r],
+            "gradients": self.state.gradients[r],
+            "optimizer_state": self.state.optimizer_state[r],
+        }
+
+    def refusal(self) -> str | None:
+        """The one line both ``europa plan`` and ``europa train`` print when it does not fit."""
+        where = f"{self.config.run.name}: {self.world_size} rank(s) on {self.hardware.name}"
+        if not self.fits_device:
+            terms = ", ".join(f"{k} {human(v)}" for k, v in self.device_terms.items() if v)
+            return (
+                f"{where}: the most loaded rank needs {human(self.device_total)} of "
+                f"{self.hardware.device} memory ({terms}) and has {human(self.device_capacity)}: "
+                "expected more ranks, a smaller micro-batch or sequence, "
+                'activation_checkpointing.mode = "full", or -p offload'
+            )
+        if not self.fits_host:
+            terms = ", ".join(f"{k} {human(v)}" for k, v in self.host_terms.items() if v)
+            return (
+                f"{where}: each rank moves {human(self.host_total)} to host memory ({terms}) "
+                f"and has {human(self.host_capacity)}: expected more ranks or less offloaded"
+            )
+        return None
+
+    def check(self) -> None:
+        message = self.refusal()
+        if message is not None:
+            raise ResourceError(message)
+
+
+def make_plan(
+    config: EuropaConfig,
+    plugins,
+    hardware: HardwareProfile,
+    world_size: int,
+    model=None,
+) -> Plan:
+    mesh = mesh_shape(config.parallel, world_size)
+    job = Job(config=config, run_dir=Path("."), world_size=world_size)
+    if model is None:
+        model = plugins.hook.europa_build_model(job=job)
+    shapes = ModelShapes.of(model)
+    _, shard, ep = mesh
+    plan: dict[str, Any] = {
+        "world_size": world_size,
+        "parameter_shapes": shapes.as_dict(),
+        "parameter_itemsize": 4,
+        "hardware": hardware.as_dict(),
+        "layout": fsdp2_layout(shapes, shard, config.optimizer.name),
+    }
+    plugins.hook.europa_plan(job=job, plan=plan)
+    layout = plan["layout"]
+    if layout["owner"] == FSDP2 and ep > 1:
+        raise PluginError(
+            f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
+            "or enable a plugin whose europa_shard_model provides it"
+        )
+    return _assemble(config, hardware, world_size, mesh, shapes, plan)
+
+
+def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
+    training, model_cfg = config.training, config.model
+    layout = plan["layout"]
+    compute_bytes = 2 if training.dtype == "bfloat16" else 4
+    reduce_bytes = 4
+    recompute = config.section("activation_checkpointing").mode == "full"
+    offload = HostOffload.of(plan.get("host_offload"))
+    tokens = training.batch_size * training.seq_len
+    blocks = block_activations(
+        model_cfg,
+        seq_len=training.seq_len,
+        dtype_bytes=compute_bytes,
+        kernel=hardware.attention_kernel,
+    )
+    acts = activations(blocks, tokens, recompute, offload)
+    state = RankState.of(layout)
+    rank = state.most_loaded()
+    optimizer_state = state.optimizer_state[rank]
+    optimizer_on_host = optimizer_state if offload.optimizer_state else 0
+    expert_buffers = 0
+    if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
+        expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
+    device_terms = {
+        "parameters": state.parameters[rank],
+        "gradients": state.gradients[rank],
+        "optimizer_state": min(optimizer_state, offload.optimizer_chunk_bytes)
+        if offload.optimizer_state
+        else optimizer_state,
+        "activations": acts.device,
+        **transient_buffers(layout, compute_bytes, reduce_bytes, expert_buffers),
+        "reserved": hardware.reserved_bytes,
+    }
+    host_terms = {"activations": acts.host, "optimizer_state": optimizer_on_host}
+    ranks_per_node = min(world_size, hardware.gpus_per_node)
+    host_capacity = (
+        offload.budget_bytes_per_rank
+        if offload.budget_bytes_per_rank is not None
+        else hardware.host_bytes_per_rank()
+    )
+    traffic = step_traffic(
+        layout=layout,
+        world_size=world_size,
+        replicas=mesh[0],
+        gpus_per_node=hardware.gpus_per_node,
+        compute_bytes=compute_bytes,
+        reduce_bytes=reduce_bytes,
+        micro_batches=training.grad_accum_steps,
+        host_bytes_per_micro_batch=acts.host,
+        host_optimizer_bytes=optimizer_on_host,
+    )
+    per_token = model_flops_per_token(shapes, model_cfg, training.seq_len)
+    tokens_per_rank = tokens * training.grad_accum_steps
+    # Recomputation repeats the blocks' forward (a third of the work), not the head's.
+    head = 2 * model_cfg.vocab_size * model_cfg.dim
+    recompute_flops = per_token // 3 - head if recompute else 0
+    bandwidth = {
+        INTRA: hardware.intra_node_gbps * 1e9 * hardware.link_efficiency,
+        INTER: hardware.inter_node_gbps * 1e9 * hardware.link_efficiency,
+        HOST: hardware.host_device_gbps * 1e9 * hardware.link_efficiency,
+    }
+    overlapped = tuple(plan.get("overlapped_kinds", LAYOUT_OVERLAPPED))
+    timing = dict(
+        model_flops=per_token * tokens_per_rank,
+        hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
+        peak_flops=hardware.peak_flops(training.dtype),
+        matmul_efficiency=hardware.matmul_efficiency,
+        traffic=traffic,
+        bandwidth=bandwidth,
+    )
+    return Plan(
+        config=config,
+        hardware=hardware,
+        world_size=world_size,
+        mesh=mesh,
+        shapes=shapes,
+        layout=layout,
+        state=state,
+        activations=acts,
+        device_terms=device_terms,
+        device_capacity=hardware.device_bytes_per_rank(ranks_per_node),
+        host_terms=host_terms,
+        host_capacity=host_capacity,
+        traffic=traffic,
+        without_overlap=step_time(**timing, overlapped_kinds=overlapped),
+        with_overlap=step_time(
+            **timing, overlapped_kinds=tuple(t.kind for t in traffic if t.overlappable)
+        ),
+        overlap_enabled="overlapped_kinds" in plan,
+        model_flops_per_token=per_token,
+        plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
+    )

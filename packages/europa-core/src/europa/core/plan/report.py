@@ -1,0 +1,125 @@
+"""A plan as JSON (for machines) and as a plain-text table (for people)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from europa.core.plan.planner import Plan, human
+from europa.core.plan.timing import StepTime
+
+
+def _step(t: StepTime, tokens_per_step: int) -> dict[str, Any]:
+    return {
+        "compute_s": t.compute_s,
+        "exposed_communication_s": t.exposed_s,
+        "step_s": t.step_s,
+        "mfu": t.mfu,
+        "tokens_per_second": tokens_per_step / t.step_s,
+    }
+
+
+def plan_json(plan: Plan) -> dict[str, Any]:
+    counts = plan.shapes.counts
+    state = plan.state.totals()
+    replicate, shard, ep = plan.mesh
+    return {
+        "config": plan.config.run.name,
+        "hardware": plan.hardware.name,
+        "world_size": plan.world_size,
+        "mesh": {"dp_replicate": replicate, "dp_shard": shard, "ep": ep},
+        "layout": plan.layout["owner"],
+        "parameters": {
+            **counts.as_dict(),
+            "per_tensor": {p.name: p.numel for p in plan.shapes.parameters},
+        },
+        "memory_per_rank": {
+            "device": {
+                **plan.device_terms,
+                "total": plan.device_total,
+                "capacity": plan.device_capacity,
+                "fits": plan.fits_device,
+            },
+            "host": {
+                **plan.host_terms,
+                "total": plan.host_total,
+                "capacity": plan.host_capacity,
+                "fits": plan.fits_host,
+            },
+            "state_bytes": {"max": max(state), "min": min(state), "mean": sum(state) / len(state)},
+            "saved_activations_per_block": plan.activations.per_block,
+        },
+        "communication_per_step": [
+            {
+                "kind": t.kind,
+                "link": t.link,
+                "bytes_per_rank": t.bytes_per_step,
+                "seconds": plan.without_overlap.link_s[t.kind],
+            }
+            for t in plan.traffic
+        ],
+        "model_flops_per_token": plan.model_flops_per_token,
+        "tokens_per_step": plan.tokens_per_step,
+        "step": {
+            "without_overlap": _step(plan.without_overlap, plan.tokens_per_step),
+            "with_overlap": _step(plan.with_overlap, plan.tokens_per_step),
+            "overlap_enabled": plan.overlap_enabled,
+        },
+        "fits": plan.fits,
+        "refusal": plan.refusal(),
+        "plugins": plan.plugins,
+    }
+
+
+def _row(label: str, *cells: str, width: int = 34) -> str:
+    return f"  {label:<{width}}" + "".join(f"{c:>14}" for c in cells)
+
+
+def plan_table(plan: Plan) -> str:
+    counts = plan.shapes.counts
+    replicate, shard, ep = plan.mesh
+    lines = [
+        f"europa plan: {plan.config.run.name} on {plan.hardware.name}, {plan.world_size} "
+        f"rank(s) (dp_replicate {replicate} × dp_shard {shard} × ep {ep}), "
+        f"layout {plan.layout['owner']}",
+        f"  parameters: {counts.total / 1e9:.3f} B total, {counts.active_per_token / 1e9:.3f} B "
+        f"active per token, {counts.routed_experts / 1e9:.3f} B in routed experts",
+        "",
+        _row("memory per rank (most loaded)", "device", "host"),
+    ]
+    host = plan.host_terms
+    for term, value in plan.device_terms.items():
+        lines.append(_row(term, human(value), human(host[term]) if term in host else ""))
+    lines += [
+        _row("total", human(plan.device_total), human(plan.host_total)),
+        _row("capacity", human(plan.device_capacity), human(plan.host_capacity)),
+        _row("fits", _yes(plan.fits_device), _yes(plan.fits_host)),
+        "",
+        _row("communication per step, per rank", "link", "bytes", "time"),
+    ]
+    for t in plan.traffic:
+        seconds = plan.without_overlap.link_s[t.kind]
+        lines.append(_row(t.kind, t.link, human(t.bytes_per_step), f"{seconds:.3g} s"))
+    if not plan.traffic:
+        lines.append("  (none)")
+    lines += ["", _row("step time", "without overlap", "with overlap")]
+    without, with_ = plan.without_overlap, plan.with_overlap
+    tokens = plan.tokens_per_step
+    lines += [
+        _row("compute", f"{without.compute_s:.3g} s", f"{with_.compute_s:.3g} s"),
+        _row("exposed communication", f"{without.exposed_s:.3g} s", f"{with_.exposed_s:.3g} s"),
+        _row("step", f"{without.step_s:.3g} s", f"{with_.step_s:.3g} s"),
+        _row("MFU", f"{100 * without.mfu:.1f} %", f"{100 * with_.mfu:.1f} %"),
+        _row(
+            "tokens/s, all ranks",
+            f"{tokens / without.step_s:,.0f}",
+            f"{tokens / with_.step_s:,.0f}",
+        ),
+        "",
+    ]
+    refusal = plan.refusal()
+    lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
+    return "\n".join(lines)
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "NO"

@@ -1,0 +1,63 @@
+"""What the planner knows about a model: its parameters, read off the module
+tree built on the meta device (nothing is allocated)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from europa.core.model.counting import ParameterCounts, count_parameters
+
+ROOT_UNIT = "<root>"
+
+
+def unit_of(name: str) -> str:
+    """The gather unit a parameter belongs to: its transformer block, or the root
+    (embedding, final norm, output head), as both layouts group them."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ROOT_UNIT
+
+
+@dataclass(frozen=True)
+class ParameterShape:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def unit(self) -> str:
+        return unit_of(self.name)
+
+
+@dataclass(frozen=True)
+class ModelShapes:
+    """Trainable parameters in model order, and the counts ``europa train`` prints."""
+
+    parameters: tuple[ParameterShape, ...]
+    counts: ParameterCounts
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelShapes:
+        params = tuple(
+            ParameterShape(name, tuple(p.shape))
+            for name, p in model.named_parameters()
+            if p.requires_grad
+        )
+        return cls(params, count_parameters(model))
+
+    def units(self) -> dict[str, list[ParameterShape]]:
+        """Parameters by gather unit, blocks in model order, the root last."""
+        units: dict[str, list[ParameterShape]] = {}
+        for p in self.parameters:
+            if p.unit != ROOT_UNIT:
+                units.setdefault(p.unit, []).append(p)
+        units[ROOT_UNIT] = [p for p in self.parameters if p.unit == ROOT_UNIT]
+        return units
+
+    def as_dict(self) -> dict[str, list[int]]:
+        return {p.name: list(p.shape) for p in self.parameters}

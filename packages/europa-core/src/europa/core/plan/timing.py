@@ -1,0 +1,75 @@
+"""Step time and MFU from hardware figures.
+
+Model FLOPs per token: ``6 ×`` the matrix-multiply parameters a token touches
+(the embedding is a lookup; of the routed experts, top-k of them), plus causal
+attention, ``6 × heads × (qk + v head dims) × seq_len / 2`` per layer. Hardware
+FLOPs add the forward again when blocks are recomputed. Compute time is
+hardware FLOPs over ``peak × matmul_efficiency``; each link moves its bytes at
+``bandwidth × link_efficiency``.
+
+Communication is exposed (adds to the step) unless it can overlap. Without
+europa-overlap, the layouts prefetch parameter gathers and overlap gradient
+reductions (FSDP2's own schedule); expert all-to-all, host copies and
+optimizer-step traffic wait. With it, everything but optimizer-step traffic
+runs beside compute, so a link exposes only what exceeds the compute time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from europa.core.config.schema import ModelConfig
+from europa.core.plan.shapes import ModelShapes
+from europa.core.plan.traffic import Traffic
+
+LAYOUT_OVERLAPPED = ("parameter_gather", "gradient_reduce_scatter", "gradient_replica_all_reduce")
+
+
+def matmul_parameters_per_token(shapes: ModelShapes, m: ModelConfig) -> int:
+    dense = sum(
+        p.numel for p in shapes.parameters if len(p.shape) >= 2 and "tok_embeddings" not in p.name
+    )
+    routed = shapes.counts.routed_experts
+    return dense - routed + routed * m.top_k // m.num_experts
+
+
+def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
+    per_layer = 6 * m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim)
+    return per_layer * seq_len // 2 * m.n_layers
+
+
+def model_flops_per_token(shapes: ModelShapes, m: ModelConfig, seq_len: int) -> int:
+    return 6 * matmul_parameters_per_token(shapes, m) + attention_flops_per_token(m, seq_len)
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    link_s: dict[str, float]  # per kind
+    exposed_s: float
+    step_s: float
+    mfu: float
+
+
+def step_time(
+    *,
+    model_flops: float,
+    hardware_flops: float,
+    peak_flops: float,
+    matmul_efficiency: float,
+    traffic: list[Traffic],
+    bandwidth: dict[str, float],  # bytes/s per link, efficiency applied
+    overlapped_kinds: tuple[str, ...],
+) -> StepTime:
+    compute = hardware_flops / (peak_flops * matmul_efficiency)
+    seconds = {t.kind: t.bytes_per_step / bandwidth[t.link] for t in traffic}
+    per_link: dict[str, float] = {}
+    exposed = 0.0
+    for t in traffic:
+        if t.overlappable and t.kind in overlapped_kinds:
+            per_link[t.link] = per_link.get(t.link, 0.0) + seconds[t.kind]
+        else:
+            exposed += seconds[t.kind]
+    exposed += max([0.0, *(s - compute for s in per_link.values())])
+    step = compute + exposed
+    return StepTime(compute, seconds, exposed, step, model_flops / (step * peak_flops))

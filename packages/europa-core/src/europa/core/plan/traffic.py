@@ -1,0 +1,85 @@
+"""Bytes each rank sends per optimizer step, by kind, and the link they cross.
+
+Ring collectives: an all-gather or reduce-scatter over ``n`` ranks of a
+``b``-byte tensor sends ``b·(n-1)/n`` from each rank; an all-reduce twice that.
+A group whose ranks all sit on one node uses the intra-node link, any other the
+inter-node one (ranks are numbered node by node; the mesh is
+``[dp_replicate, dp_shard, ep]``, ``ep`` innermost).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
+
+
+def contiguous_link(size: int, gpus_per_node: int) -> str:
+    return INTRA if size <= gpus_per_node else INTER
+
+
+def strided_link(size: int, stride: int, gpus_per_node: int) -> str:
+    return INTRA if stride * (size - 1) < gpus_per_node else INTER
+
+
+def ring_share(size: int) -> float:
+    return (size - 1) / size if size > 1 else 0.0
+
+
+@dataclass(frozen=True)
+class Traffic:
+    kind: str
+    link: str
+    bytes_per_step: int
+    overlappable: bool  # can run beside computation at all
+
+
+def step_traffic(
+    *,
+    layout: dict,
+    world_size: int,
+    replicas: int,
+    gpus_per_node: int,
+    compute_bytes: int,
+    reduce_bytes: int,
+    micro_batches: int,
+    host_bytes_per_micro_batch: int,
+    host_optimizer_bytes: int,
+) -> list[Traffic]:
+    group = layout["gather_group_size"]
+    shard_link = contiguous_link(group, gpus_per_node)
+    units = layout["gathered_unit_elements"]
+    # Blocks are gathered for forward and again for backward; the root stays
+    # gathered between the two.
+    passes = sum(n * (1 if unit == "<root>" else 2) for unit, n in units.items())
+    gathered = passes * compute_bytes * ring_share(group) * micro_batches
+    reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
+    stored = max(layout["stored_elements"], default=0)
+    replica_stride = world_size // replicas
+    replicated = 2 * stored * reduce_bytes * ring_share(replicas) * micro_batches
+    step_gather = layout["optimizer_step_gather_elements"] * 4 * ring_share(group)
+    experts = layout["expert_all_to_all_bytes_per_step"]
+    out = [
+        Traffic("parameter_gather", shard_link, int(gathered), True),
+        Traffic("gradient_reduce_scatter", shard_link, int(reduced), True),
+        Traffic(
+            "gradient_replica_all_reduce",
+            strided_link(replicas, replica_stride, gpus_per_node),
+            int(replicated),
+            True,
+        ),
+        Traffic(
+            "expert_all_to_all",
+            contiguous_link(layout["expert_group_size"], gpus_per_node),
+            int(experts),
+            True,
+        ),
+        Traffic("optimizer_step", shard_link, int(step_gather), False),
+        Traffic(
+            "host_copies",
+            HOST,
+            2 * host_bytes_per_micro_batch * micro_batches + 2 * host_optimizer_bytes,
+            True,
+        ),
+    ]
+    return [t for t in out if t.bytes_per_step]
