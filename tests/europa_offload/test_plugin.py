@@ -81,19 +81,24 @@ def test_a_budget_or_policy_that_cannot_hold_is_refused_in_one_line(
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 
-def test_the_plan_hook_states_the_host_budget_and_the_state_moved():
+def test_the_plan_hook_states_what_moves_to_host_memory():
     from types import SimpleNamespace
 
-    from europa.core.model import build_moe_model
     from europa.core.session import open_session
     from europa.offload import plugin
 
     config, _ = open_session(
-        "tiny", ["offload.optimizer_state=true", "offload.host_memory_gib=2"], ["offload"]
+        "tiny",
+        ["offload.optimizer_state=true", "offload.host_memory_gib=2", "offload.keep_last_blocks=2"],
+        ["offload"],
     )
-    model = build_moe_model(config.model)
-    plan = {"parameter_shapes": {n: p.shape for n, p in model.named_parameters()}, "world_size": 2}
+    plan = {}
     plugin.europa_plan(job=SimpleNamespace(config=config), plan=plan)
-    parameters = sum(p.numel() for p in model.parameters())
-    assert plan["offload"]["host_budget_bytes_per_rank"] == 2 * 2**30
-    assert plan["offload"]["optimizer_state_host_bytes_per_rank"] == parameters * 8 // 2
+    assert plan["host_offload"] == {
+        "activation_blocks": ["layers.*"],
+        "keep_last_blocks": 2,
+        "min_tensor_bytes": 256 * 1024,
+        "optimizer_state": True,
+        "optimizer_chunk_bytes": 256 * 2**20,
+        "budget_bytes_per_rank": 2 * 2**30,
+    }

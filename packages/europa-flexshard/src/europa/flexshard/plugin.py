@@ -164,11 +164,13 @@ def unit_of(name: str) -> str:
 
 @hookimpl
 def europa_plan(job, plan):
-    """Reads ``plan["parameter_shapes"]`` ({name: shape}) and ``plan["world_size"]``;
-    adds ``plan["flexshard"]``: the ownership summary (bytes per rank, max / mean),
-    the bytes communicated inside ``optimizer.step()`` (none), and with
-    ``parallel.ep > 1`` the resident routed-expert bytes per rank and the expert
-    all-to-all payload per rank and step. 3-D parameters are the routed experts."""
+    """Replace ``plan["layout"]`` (europa-core's planner reads it; its keys are
+    documented in ``europa.core.plan.layout``) with this package's own ownership
+    plan, and add ``plan["flexshard"]``: the ownership summary and the bytes
+    communicated inside ``optimizer.step()`` (none). Reads
+    ``plan["parameter_shapes"]`` ({name: shape}) and ``plan["world_size"]``.
+    With ``parallel.ep > 1`` the 3-D parameters (the routed experts) are split
+    over ``ep`` and stay resident, and tokens travel by all-to-all."""
     from europa.flexshard.experts import all_to_all_bytes_per_rank, expert_stack
     from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
@@ -186,9 +188,16 @@ def europa_plan(job, plan):
         if name not in routed
     ]
     ownership = plan_ownership(specs, shard_ranks)
-    copies = _COPIES[cfg.optimizer.name]
-    summary = ownership.summary() | {"optimizer_step_bytes_communicated": 0}
-    expert_bytes = 0
+    layout = _OwnedElements(shard_ranks, cfg.optimizer.name == "muon")
+    for spec in specs:
+        layout.add(spec, ownership.counts(spec.name), lambda r: r)
+    units: dict[str, int] = {}
+    for spec in specs:
+        units[spec.unit] = units.get(spec.unit, 0) + spec.matrices * spec.matrix_numel
+    summary = ownership.summary()
+    summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
+    summary["optimizer_step_bytes_communicated"] = 0
+    a2a = 0
     if routed:
         stacks: dict[str, list[tuple[int, ...]]] = {}  # in model order, as at run time
         for name, shape in shapes.items():
@@ -196,24 +205,64 @@ def europa_plan(job, plan):
                 # torchtitan's stacks live in <module>.inner_experts; plan per <module>
                 module = name.rpartition(".")[0].removesuffix(".inner_experts")
                 stacks.setdefault(module, []).append(shape)
-        experts = plan_ownership(
-            [expert_stack(module, s, itemsize) for module, s in stacks.items()], ep
-        )
-        expert_bytes = max(experts.rank_bytes())
+        expert_specs = [expert_stack(module, s, itemsize) for module, s in stacks.items()]
+        experts = plan_ownership(expert_specs, ep)
+        # The shard group is [dp_shard, ep] flattened: rank r holds ep rank r % ep's experts.
+        for spec, module in zip(expert_specs, stacks, strict=True):
+            tensors = len(stacks[module])  # w1, w2, w3: each its own optimizer state
+            layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors)
         recompute = cfg.section("activation_checkpointing").mode == "full"
-        activation_bytes = 2 if training.dtype == "bfloat16" else 4
         per_micro = all_to_all_bytes_per_rank(
             tokens=training.batch_size * training.seq_len,
             top_k=model.top_k,
             dim=model.dim,
-            itemsize=activation_bytes,
+            itemsize=2 if training.dtype == "bfloat16" else 4,
             num_experts=model.num_experts,
             moe_layers=len(stacks),
             forward_passes=2 if recompute else 1,
         )
-        summary |= {
-            "routed_expert_bytes_per_rank": experts.rank_bytes(),
-            "expert_all_to_all_bytes_per_rank_per_step": per_micro * training.grad_accum_steps,
-        }
-    summary["state_bytes_per_rank_max"] = (summary["bytes_max"] + expert_bytes) * copies
+        a2a = per_micro * training.grad_accum_steps
+        summary["routed_expert_bytes_per_rank_max"] = max(experts.rank_bytes())
+        summary["expert_all_to_all_bytes_per_rank_per_step"] = a2a
+    plan["layout"] = layout.as_plan(units, a2a, ep)
     plan[NAME] = summary
+
+
+class _OwnedElements:
+    """Per-rank element counts in the shape ``plan["layout"]`` asks for. Every
+    rank keeps a (possibly empty) local tensor of every parameter, and
+    ``FlexShardOptimizer`` gives each AdamW one a step counter, owned or not."""
+
+    def __init__(self, ranks: int, muon: bool) -> None:
+        self.ranks, self.muon = ranks, muon
+        self.stored = [0] * ranks
+        self.by_rule = {True: [0] * ranks, False: [0] * ranks}
+        self.adamw_tensors = 0
+
+    def add(self, spec, counts, source_rank, tensors: int = 1) -> None:
+        """``counts[source_rank(r)]`` matrices of ``spec`` on shard rank ``r``."""
+        from europa.flexshard.layout import orthogonalised_by_default
+
+        use_muon = self.muon and orthogonalised_by_default(spec.name, spec.shape)
+        for r in range(self.ranks):
+            owned = counts[source_rank(r)] * spec.matrix_numel
+            self.stored[r] += owned
+            self.by_rule[use_muon][r] += owned
+        if not use_muon:
+            self.adamw_tensors += tensors
+
+    def as_plan(self, units: dict[str, int], all_to_all: int, ep: int) -> dict:
+        return {
+            "owner": NAME,
+            "group_size": self.ranks,
+            "stored_elements": self.stored,
+            "muon_elements": self.by_rule[True],
+            "adamw_elements": self.by_rule[False],
+            "adamw_tensors": self.adamw_tensors,
+            "gathered_unit_elements": units,
+            "gather_group_size": self.ranks,
+            "optimizer_step_gather_elements": 0,
+            "largest_step_gather_elements": 0,
+            "expert_all_to_all_bytes_per_step": all_to_all,
+            "expert_group_size": ep,
+        }

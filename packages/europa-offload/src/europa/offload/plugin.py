@@ -152,24 +152,20 @@ def europa_after_step(job, step, metrics):
 
 @hookimpl
 def europa_plan(job, plan):
-    """Reads ``plan["parameter_shapes"]`` and ``plan["world_size"]``; adds
-    ``plan["offload"]``: the host budget and the optimizer-state bytes a rank
-    moves to host memory (activation bytes are measured at run time,
-    ``offload_bytes_offloaded`` in metrics.jsonl)."""
+    """Fill ``plan["host_offload"]`` (europa-core's planner reads it: which blocks'
+    saved tensors move, the size threshold, whether optimizer state lives in
+    host memory and the chunk streamed back, the host budget when one is set;
+    without ``host_memory_gib`` the hardware profile's host memory applies), and
+    ``plan["offload"]`` with the same choices for the report."""
     table = job.config.section(NAME)
-    parameters = sum(_numel(shape) for shape in plan["parameter_shapes"].values())
-    state = parameters * 4 * _STATE_COPIES[job.config.optimizer.name] // plan["world_size"]
-    plan[NAME] = {
-        "host_budget_bytes_per_rank": host_budget_bytes(table),
-        "optimizer_state_host_bytes_per_rank": state if table.optimizer_state else 0,
-        "activations": table.activations,
-        "blocks": list(table.blocks),
+    budget = int(table.host_memory_gib * GIB) if table.host_memory_gib else None
+    choices = {
+        "activation_blocks": list(table.blocks) if table.activations else [],
         "keep_last_blocks": table.keep_last_blocks,
+        "min_tensor_bytes": table.min_tensor_kib * 1024,
+        "optimizer_state": table.optimizer_state,
+        "optimizer_chunk_bytes": table.optimizer_chunk_mib << 20,
+        "budget_bytes_per_rank": budget,
     }
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    plan["host_offload"] = choices
+    plan[NAME] = dict(choices)
