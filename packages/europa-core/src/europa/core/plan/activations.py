@@ -62,7 +62,7 @@ def _norm(label: str, width: int, dtype_bytes: int, input_width: int | None = No
     ]
 
 
-def _attention(m: ModelConfig, a: int, seq_len: int, kernel: str) -> list[SavedTensor]:
+def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) -> list[SavedTensor]:
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     h = m.n_heads
     out = _norm("attention_norm", m.dim, a)
@@ -73,11 +73,15 @@ def _attention(m: ModelConfig, a: int, seq_len: int, kernel: str) -> list[SavedT
     kv_input = m.kv_lora_rank + m.qk_rope_head_dim if a == FP32 else m.kv_lora_rank
     out += _norm("kv_norm", m.kv_lora_rank, a, input_width=kv_input)
     if kernel == "math":
+        # v is a view of wkv_b's output [.., heads, nope + v]; with one sequence
+        # in fp32 the math path's reshape keeps that view (and its storage),
+        # otherwise it copies v alone.
+        v_width = m.qk_nope_head_dim + m.v_head_dim if batch == 1 and a == FP32 else m.v_head_dim
         out += [
             SavedTensor("sdpa.q", h * qk * FP32),
             SavedTensor("sdpa.k_transposed", h * qk * FP32),
             SavedTensor("sdpa.probabilities", h * seq_len * FP32),
-            SavedTensor("sdpa.v", h * m.v_head_dim * FP32),
+            SavedTensor("sdpa.v", h * v_width * FP32),
         ]
     else:
         out += [
@@ -118,13 +122,13 @@ def _moe(m: ModelConfig, a: int) -> list[SavedTensor]:
 
 
 def block_activations(
-    m: ModelConfig, *, seq_len: int, dtype_bytes: int, kernel: str = "math"
+    m: ModelConfig, *, seq_len: int, batch: int, dtype_bytes: int, kernel: str = "math"
 ) -> list[BlockActivations]:
     """Every block's saved tensors, then the root's (tokens and labels, final
     norm, the loss's fp32 log-probabilities over the vocabulary)."""
     blocks = []
     for layer in range(m.n_layers):
-        tensors = _attention(m, dtype_bytes, seq_len, kernel)
+        tensors = _attention(m, dtype_bytes, seq_len, batch, kernel)
         tensors += _norm("ffn_norm", m.dim, dtype_bytes)
         if layer < m.n_dense_layers:
             tensors += _feed_forward("feed_forward", m.dense_hidden_dim, dtype_bytes)

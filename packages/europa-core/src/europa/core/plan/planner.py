@@ -181,6 +181,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
     blocks = block_activations(
         model_cfg,
         seq_len=training.seq_len,
+        batch=training.batch_size,
         dtype_bytes=compute_bytes,
         kernel=hardware.attention_kernel,
     )

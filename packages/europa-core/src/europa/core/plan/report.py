@@ -81,8 +81,8 @@ def plan_table(plan: Plan) -> str:
         f"europa plan: {plan.config.run.name} on {plan.hardware.name}, {plan.world_size} "
         f"rank(s) (dp_replicate {replicate} × dp_shard {shard} × ep {ep}), "
         f"layout {plan.layout['owner']}",
-        f"  parameters: {counts.total / 1e9:.3f} B total, {counts.active_per_token / 1e9:.3f} B "
-        f"active per token, {counts.routed_experts / 1e9:.3f} B in routed experts",
+        f"  parameters: {_count(counts.total)} total, {_count(counts.active_per_token)} active "
+        f"per token, {_count(counts.routed_experts)} in routed experts",
         "",
         _row("memory per rank (most loaded)", "device", "host"),
     ]
@@ -119,6 +119,13 @@ def plan_table(plan: Plan) -> str:
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
     return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= size:
+            return f"{n / size:.3f} {unit}"
+    return f"{n:,}"
 
 
 def _yes(flag: bool) -> str:
