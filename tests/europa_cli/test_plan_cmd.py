@@ -81,5 +81,5 @@ def test_the_table_names_every_term(capsys):
     ],
 )
 def test_bad_plan_input_is_one_line_and_exit_2(capsys, argv, words):
-    code, out, err = _run(capsys, "plan", "tiny", *argv)
+    code, _, err = _run(capsys, "plan", "tiny", *argv)
     assert code == 2 and err.count("\n") == 1 and words in err and "Traceback" not in err

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from europa.core.errors import ConfigError
+from europa.core.errors import ConfigError, PluginError
 from europa.core.model import build_moe_model
 from europa.core.model.counting import ParameterCounts
 from europa.core.plan import load_profile, make_plan, shipped_profiles
@@ -158,5 +158,5 @@ def test_search_finds_the_smallest_replica_that_fits(tmp_path):
 
 def test_core_fsdp2_has_no_expert_parallelism_in_the_plan_either():
     config, plugins = open_session("tiny", ["parallel.ep=2"])
-    with pytest.raises(Exception, match="parallel.ep = 2: core's FSDP2 layout"):
+    with pytest.raises(PluginError, match=r"parallel\.ep = 2: core's FSDP2 layout"):
         make_plan(config, plugins, load_profile("cpu"), 2)
