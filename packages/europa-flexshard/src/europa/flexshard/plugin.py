@@ -210,7 +210,7 @@ def europa_plan(job, plan):
         # The shard group is [dp_shard, ep] flattened: rank r holds ep rank r % ep's experts.
         for spec, module in zip(expert_specs, stacks, strict=True):
             tensors = len(stacks[module])  # w1, w2, w3: each its own optimizer state
-            layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors)
+            layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors, expert=True)
         recompute = cfg.section("activation_checkpointing").mode == "full"
         per_micro = all_to_all_bytes_per_rank(
             tokens=training.batch_size * training.seq_len,
@@ -224,7 +224,8 @@ def europa_plan(job, plan):
         a2a = per_micro * training.grad_accum_steps
         summary["routed_expert_bytes_per_rank_max"] = max(experts.rank_bytes())
         summary["expert_all_to_all_bytes_per_rank_per_step"] = a2a
-    plan["layout"] = layout.as_plan(units, a2a, ep)
+    copies = plan["world_size"] // ep  # ranks holding the same experts: dp_replicate × dp_shard
+    plan["layout"] = layout.as_plan(units, a2a, ep, copies)
     plan[NAME] = summary
 
 
@@ -236,10 +237,11 @@ class _OwnedElements:
     def __init__(self, ranks: int, muon: bool) -> None:
         self.ranks, self.muon = ranks, muon
         self.stored = [0] * ranks
+        self.experts = [0] * ranks
         self.by_rule = {True: [0] * ranks, False: [0] * ranks}
         self.adamw_tensors = 0
 
-    def add(self, spec, counts, source_rank, tensors: int = 1) -> None:
+    def add(self, spec, counts, source_rank, tensors: int = 1, expert: bool = False) -> None:
         """``counts[source_rank(r)]`` matrices of ``spec`` on shard rank ``r``."""
         from europa.flexshard.layout import orthogonalised_by_default
 
@@ -248,10 +250,15 @@ class _OwnedElements:
             owned = counts[source_rank(r)] * spec.matrix_numel
             self.stored[r] += owned
             self.by_rule[use_muon][r] += owned
+            if expert:
+                self.experts[r] += owned
         if not use_muon:
             self.adamw_tensors += tensors
 
-    def as_plan(self, units: dict[str, int], all_to_all: int, ep: int) -> dict:
+    def as_plan(self, units: dict[str, int], all_to_all: int, ep: int, copies: int) -> dict:
+        shared = [
+            stored - experts for stored, experts in zip(self.stored, self.experts, strict=True)
+        ]
         return {
             "owner": NAME,
             "group_size": self.ranks,
@@ -265,4 +272,8 @@ class _OwnedElements:
             "largest_step_gather_elements": 0,
             "expert_all_to_all_bytes_per_step": all_to_all,
             "expert_group_size": ep,
+            # Replicas all-reduce what is not an expert; the copies of an expert
+            # (every rank with the same ep index) all-reduce its gradients.
+            "replicated_elements": max(shared),
+            "expert_copies": {"elements": max(self.experts), "group_size": copies, "stride": ep},
         }

@@ -19,6 +19,10 @@ Its keys (all per rank of the group that splits the parameters):
                       row-sharded matrices), and the largest such matrix
 ``expert_all_to_all_bytes_per_step``, ``expert_group_size``
                       expert-parallel traffic a rank sends per step, and the group
+``replicated_elements`` (optional; default: the largest ``stored_elements``)
+                      elements all-reduced over ``dp_replicate``
+``expert_copies``     (optional) {elements, group_size, stride}: resident expert
+                      gradients all-reduced over the ranks holding the same experts
 
 FSDP2 (``fully_shard`` with ``Shard(0)``): a rank holds rows
 ``[r·c, min((r+1)·c, d0))`` with ``c = ceil(d0 / ranks)``, in storage padded to

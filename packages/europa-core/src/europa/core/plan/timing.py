@@ -22,7 +22,12 @@ from europa.core.config.schema import ModelConfig
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.traffic import Traffic
 
-LAYOUT_OVERLAPPED = ("parameter_gather", "gradient_reduce_scatter", "gradient_replica_all_reduce")
+LAYOUT_OVERLAPPED = (
+    "parameter_gather",
+    "gradient_reduce_scatter",
+    "gradient_replica_all_reduce",
+    "expert_gradient_all_reduce",
+)
 
 
 def matmul_parameters_per_token(shapes: ModelShapes, m: ModelConfig) -> int:

@@ -54,9 +54,12 @@ def step_traffic(
     passes = sum(n * (1 if unit == "<root>" else 2) for unit, n in units.items())
     gathered = passes * compute_bytes * ring_share(group) * micro_batches
     reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
-    stored = max(layout["stored_elements"], default=0)
+    stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
     replica_stride = world_size // replicas
     replicated = 2 * stored * reduce_bytes * ring_share(replicas) * micro_batches
+    copies = layout.get("expert_copies") or {"elements": 0, "group_size": 1, "stride": 1}
+    copy_share = ring_share(copies["group_size"])
+    expert_copies = 2 * copies["elements"] * reduce_bytes * copy_share * micro_batches
     step_gather = layout["optimizer_step_gather_elements"] * 4 * ring_share(group)
     experts = layout["expert_all_to_all_bytes_per_step"]
     out = [
@@ -66,6 +69,12 @@ def step_traffic(
             "gradient_replica_all_reduce",
             strided_link(replicas, replica_stride, gpus_per_node),
             int(replicated),
+            True,
+        ),
+        Traffic(
+            "expert_gradient_all_reduce",
+            strided_link(copies["group_size"], copies["stride"], gpus_per_node),
+            int(expert_copies),
             True,
         ),
         Traffic(
