@@ -49,8 +49,12 @@ def test_flexshard_with_expert_parallelism_and_offload_fit_the_seed_scenario(cap
     assert plan["memory_per_rank"]["host"]["activations"] > 0  # blocks' inputs went to Grace
     assert {t["kind"] for t in plan["communication_per_step"]} >= {
         "expert_all_to_all",
+        "expert_gradient_all_reduce",  # each expert has a copy in each of the 4 replicas
         "host_copies",
     }
+    by_mode = plan["memory_per_rank"]["activations_by_checkpointing_mode"]
+    assert by_mode["full"] == plan["memory_per_rank"]["device"]["activations"]
+    assert set(by_mode) == {"none", "full"}
     assert not any(t["kind"] == "optimizer_step" for t in plan["communication_per_step"])
     assert code == 0 and plan["fits"], plan["refusal"]
 

@@ -75,6 +75,7 @@ class Plan:
     with_overlap: StepTime
     overlap_enabled: bool
     model_flops_per_token: int
+    activations_by_mode: dict[str, int] = field(default_factory=dict)  # device bytes
     plugins: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -186,6 +187,10 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         kernel=hardware.attention_kernel,
     )
     acts = activations(blocks, tokens, recompute, offload)
+    by_mode = {
+        mode: activations(blocks, tokens, mode == "full", offload).device
+        for mode in ("none", "full")
+    }
     state = RankState.of(layout)
     rank = state.most_loaded()
     optimizer_state = state.optimizer_state[rank]
@@ -260,5 +265,6 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         ),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
+        activations_by_mode=by_mode,
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

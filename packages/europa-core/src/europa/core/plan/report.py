@@ -47,6 +47,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             },
             "state_bytes": {"max": max(state), "min": min(state), "mean": sum(state) / len(state)},
             "saved_activations_per_block": plan.activations.per_block,
+            "activations_by_checkpointing_mode": plan.activations_by_mode,
         },
         "communication_per_step": [
             {
