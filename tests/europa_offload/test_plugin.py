@@ -48,18 +48,20 @@ QUIET = ["--set", "metrics.progress=false"]
 @pytest.mark.parametrize(
     ("settings", "message"),
     [
+        # The pre-flight plan refuses these before a worker starts (the runtime
+        # pool checks the same budget for users of the plain API).
         (
             ["offload.host_memory_gib=0.001"],
-            "offload.host_memory_gib = 0.001: this rank would hold 1.51 MiB in host memory "
-            "(0.00 MiB of optimizer state, 1.51 MiB of saved activations); expected a larger "
-            "budget, a larger offload.min_tensor_kib, more blocks kept on the device "
-            "(offload.keep_last_blocks) or more ranks",
+            "tiny: 1 rank(s) on this cpu machine: each rank moves 44.2 MiB to host memory "
+            "(activations 44.2 MiB) and has 1.0 MiB (offload.host_memory_gib = 0.001): "
+            "expected a larger budget, more ranks, or less offloaded",
         ),
         (
             ["offload.optimizer_state=true", "offload.host_memory_gib=0.001"],
-            "offload.host_memory_gib = 0.001: this rank's optimizer state alone needs 14.82 MiB "
-            "of host memory; expected a larger budget, more ranks or "
-            "offload.optimizer_state = false",
+            "tiny: 1 rank(s) on this cpu machine: each rank moves 59.0 MiB to host memory "
+            "(activations 44.2 MiB, optimizer_state 14.8 MiB) and has 1.0 MiB "
+            "(offload.host_memory_gib = 0.001): expected a larger budget, more ranks, or less "
+            "offloaded",
         ),
         (
             ["offload.blocks=['decoder.*']"],
@@ -101,4 +103,5 @@ def test_the_plan_hook_states_what_moves_to_host_memory():
         "optimizer_state": True,
         "optimizer_chunk_bytes": 256 * 2**20,
         "budget_bytes_per_rank": 2 * 2**30,
+        "budget_setting": "offload.host_memory_gib = 2",
     }

@@ -166,6 +166,7 @@ def europa_plan(job, plan):
         "optimizer_state": table.optimizer_state,
         "optimizer_chunk_bytes": table.optimizer_chunk_mib << 20,
         "budget_bytes_per_rank": budget,
+        "budget_setting": f"{NAME}.host_memory_gib = {table.host_memory_gib:g}",
     }
     plan["host_offload"] = choices
     plan[NAME] = dict(choices)

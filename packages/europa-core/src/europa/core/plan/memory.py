@@ -56,6 +56,7 @@ class HostOffload:
     optimizer_state: bool = False
     optimizer_chunk_bytes: int = 0
     budget_bytes_per_rank: int | None = None
+    budget_setting: str = ""  # the key and value that set the budget, for messages
 
     @classmethod
     def of(cls, table: dict | None) -> HostOffload:
@@ -68,6 +69,7 @@ class HostOffload:
             optimizer_state=table.get("optimizer_state", False),
             optimizer_chunk_bytes=table.get("optimizer_chunk_bytes", 0),
             budget_bytes_per_rank=table.get("budget_bytes_per_rank"),
+            budget_setting=table.get("budget_setting", ""),
         )
 
     def offloaded_blocks(self, blocks: list[BlockActivations]) -> set[str]:

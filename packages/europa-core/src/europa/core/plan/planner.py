@@ -76,6 +76,7 @@ class Plan:
     overlap_enabled: bool
     model_flops_per_token: int
     activations_by_mode: dict[str, int] = field(default_factory=dict)  # device bytes
+    host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -129,9 +130,11 @@ class Plan:
             )
         if not self.fits_host:
             terms = ", ".join(f"{k} {human(v)}" for k, v in self.host_terms.items() if v)
+            source = f" ({self.host_budget_setting})" if self.host_budget_setting else ""
             return (
                 f"{where}: each rank moves {human(self.host_total)} to host memory ({terms}) "
-                f"and has {human(self.host_capacity)}: expected more ranks or less offloaded"
+                f"and has {human(self.host_capacity)}{source}: expected a larger budget, more "
+                "ranks, or less offloaded"
             )
         return None
 
@@ -266,5 +269,6 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode=by_mode,
+        host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )
