@@ -14,36 +14,33 @@ from europa.core.plan.planner import Plan
 MAX_DOUBLINGS = 24
 
 
-def _largest(fits: Callable[[int], bool], start: int) -> int:
-    """The largest n >= start with fits(n), given fits(start) and fits monotone."""
+def _first_failing(holds: Callable[[int], bool], start: int) -> int | None:
+    """The smallest n > start with not holds(n), given holds(start) and holds
+    monotone (true, then false); None within 2**MAX_DOUBLINGS · start."""
     low, high = start, start * 2
     for _ in range(MAX_DOUBLINGS):
-        if not fits(high):
-            break
-        low, high = high, high * 2
-    else:
-        return low
-    while high - low > 1:
-        mid = (low + high) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
-
-
-def _smallest(fits: Callable[[int], bool], start: int) -> int | None:
-    """The smallest n >= start with fits(n), or None within 2**MAX_DOUBLINGS · start."""
-    if fits(start):
-        return start
-    low, high = start, start * 2
-    for _ in range(MAX_DOUBLINGS):
-        if fits(high):
+        if not holds(high):
             break
         low, high = high, high * 2
     else:
         return None
     while high - low > 1:
         mid = (low + high) // 2
-        low, high = (low, mid) if fits(mid) else (mid, high)
+        low, high = (mid, high) if holds(mid) else (low, mid)
     return high
+
+
+def _largest(fits: Callable[[int], bool], start: int) -> int:
+    """The largest n >= start with fits(n), given fits(start)."""
+    failing = _first_failing(fits, start)
+    return start * 2**MAX_DOUBLINGS if failing is None else failing - 1
+
+
+def _smallest(fits: Callable[[int], bool], start: int) -> int | None:
+    """The smallest n >= start with fits(n), or None within the search limit."""
+    if fits(start):
+        return start
+    return _first_failing(lambda n: not fits(n), start)
 
 
 def with_batch(config: EuropaConfig, batch: int) -> EuropaConfig:
