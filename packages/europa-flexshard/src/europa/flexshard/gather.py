@@ -37,9 +37,21 @@ from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.segments import UnitSegments
 
+
+
 # torch 2.13 renamed the single-tensor collectives; earlier releases know the old names.
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
+# timeline) sees these collectives too.
+def all_gather(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs
+    )
+
+
+def reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **kwargs
+    )
 
 
 @dataclass
@@ -88,6 +100,12 @@ class GatherUnit:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.fulls: list[torch.Tensor] | None = None
+        # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
+        self.reshard_after_forward = True
+        self.forward_prefetch: list[GatherUnit] = []
+        self.backward_prefetch: list[GatherUnit] = []
+        self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
+        self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -103,8 +121,14 @@ class GatherUnit:
         return self.param_dtype or self.slots[0].local.dtype
 
     def all_gather(self) -> list[torch.Tensor]:
-        """Every parameter of the unit in full, as new tensors in the compute dtype."""
+        """Every parameter of the unit in full, as new tensors in the compute dtype
+        (from the prefetched all-gather when one is in flight)."""
         g, segments = self.groups, self.segments
+        if self._pending is not None:
+            rows, _, work = self._pending
+            self._pending = None
+            work.wait()
+            return segments.unpack(rows.view(g.size, segments.width))
         locals_ = [slot.local.detach() for slot in self.slots]
         send = segments.pack(g.rank, locals_, self._compute_dtype())
         if g.size == 1:
@@ -112,6 +136,37 @@ class GatherUnit:
         rows = send.new_empty(g.size * segments.width)
         all_gather(rows, send, group=g.shard)
         return segments.unpack(rows.view(g.size, segments.width))
+
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def set_prefetch(
+        self, forward: Sequence[GatherUnit] = (), backward: Sequence[GatherUnit] = ()
+    ) -> None:
+        """When this unit gathers for its forward, also issue ``forward``'s all-gathers;
+        when it gathers for its backward, ``backward``'s (those that resharded after
+        forward). They run asynchronously; each unit waits for its own when it needs it.
+        Every rank must set the same schedule (the all-gathers are collectives)."""
+        self.forward_prefetch = list(forward)
+        self.backward_prefetch = list(backward)
+
+    def prefetch(self) -> None:
+        """Issue this unit's all-gather now, asynchronously (no-op if one is in flight).
+        It packs the local parameters as they are now: call it only when they will not
+        change before the unit runs (not across an optimizer step)."""
+        g = self.groups
+        if self._pending is not None or g.size == 1:
+            return
+        locals_ = [slot.local.detach() for slot in self.slots]
+        send = self.segments.pack(g.rank, locals_, self._compute_dtype())
+        rows = send.new_empty(g.size * self.segments.width)
+        work = all_gather(rows, send, group=g.shard, async_op=True)
+        self._pending = (rows, send, work)
+
+    def cancel_prefetch(self) -> None:
+        """Wait for and drop an all-gather issued but never used (e.g. at the end of a step)."""
+        if self._pending is not None:
+            self._pending[2].wait()
+            self._pending = None
 
     def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """This rank's averaged share of the full gradients, one per local parameter."""
@@ -164,6 +219,9 @@ class GatherUnit:
         for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
             full.europa_gathered_parameter = True
         self._shadow(self.fulls)
+        if torch._C._current_graph_task_id() == -1:  # not a forward recomputed in backward
+            for unit in self.forward_prefetch:
+                unit.prefetch()
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         self._unshadow()
@@ -171,14 +229,21 @@ class GatherUnit:
         if not needs_grad or not any(f.requires_grad for f in self.fulls):
             self.fulls = None
             return
-        self._free()
+        self._resharded = self.reshard_after_forward
+        if self._resharded:
+            self._free()
         torch.autograd.graph.register_multi_grad_hook(needs_grad, self._pre_backward, mode="any")
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.fulls is None:  # a second backward through the same graph
             return
-        self._refill()
+        if self._resharded:
+            self._refill()
+            self._resharded = False
         self._shadow(self.fulls)
+        for unit in self.backward_prefetch:
+            if unit._resharded:
+                unit.prefetch()
 
     def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         local_grads = self.reduce_scatter(grads)
