@@ -18,6 +18,16 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   to their owners (averaged over the data-parallel ranks, all-reduced over
   replicas when the mesh has them), the shadows go and the storage is freed.
 
+Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
+names units whose all-gather this unit issues asynchronously right after its
+own, in forward (the next blocks) and in backward (the previous ones, if they
+resharded), so it travels while this unit computes; ``reshard_after_forward =
+False`` keeps a unit's full storage from forward to backward (no second
+gather); ``reduce_scatter_async = True`` issues the gradient reduce-scatter
+asynchronously, returns no gradient to autograd, and adds this rank's share to
+``.grad`` (set, or added in place, as autograd does) in a callback at the end
+of the backward, so the earlier blocks' backward runs beside it.
+
 Why our own collective rather than FSDP2's: FSDP2 stores ``Shard(dim)`` pieces
 with every rank holding part of every tensor; it can express whole matrices on
 one rank only for stacked experts whose count divides the group, and never for
@@ -36,7 +46,6 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.segments import UnitSegments
-
 
 
 # torch 2.13 renamed the single-tensor collectives; earlier releases know the old names.
@@ -102,6 +111,9 @@ class GatherUnit:
         self.fulls: list[torch.Tensor] | None = None
         # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
         self.reshard_after_forward = True
+        # True: the gradient reduce-scatter is issued asynchronously and waited for at the
+        # end of the backward (the rest of the backward runs beside it).
+        self.reduce_scatter_async = False
         self.forward_prefetch: list[GatherUnit] = []
         self.backward_prefetch: list[GatherUnit] = []
         self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
@@ -170,23 +182,45 @@ class GatherUnit:
 
     def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """This rank's averaged share of the full gradients, one per local parameter."""
+        return self._finish_reduce_scatter(*self._issue_reduce_scatter(grads, async_op=False))
+
+    def _issue_reduce_scatter(self, grads: Sequence[torch.Tensor | None], async_op: bool):
         g, segments = self.groups, self.segments
         dtype = self.reduce_dtype or self.slots[0].local.dtype
         device = self.slots[0].local.device
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
-            mine = rows[0]
-        else:
-            mine = rows.new_empty(segments.width)
-            reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard)
+            return rows, rows[0], None
+        mine = rows.new_empty(segments.width)
+        work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
+                              async_op=async_op)  # fmt: skip
+        return rows, mine, work
+
+    def _finish_reduce_scatter(self, rows, mine, work) -> list[torch.Tensor]:
+        g = self.groups
+        if work is not None:
+            work.wait()
         if g.replicas > 1:
             dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=g.replicate)
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
         return [
             piece.to(slot.local.dtype, copy=True)
-            for piece, slot in zip(segments.split(g.rank, mine), self.slots, strict=True)
+            for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
         ]
+
+    def _accumulate(self, rows, mine, work) -> None:
+        """End of backward: this unit's asynchronous reduce-scatter is waited for and its
+        share added to ``.grad`` as autograd would (set, or added in place)."""
+        for slot, grad in zip(self.slots, self._finish_reduce_scatter(rows, mine, work),
+                              strict=True):  # fmt: skip
+            local = slot.local
+            if not local.requires_grad:
+                continue
+            if local.grad is None:
+                local.grad = grad
+            else:
+                local.grad += grad
 
     # -- shadows and storage ----------------------------------------------------------------
 
@@ -245,8 +279,15 @@ class GatherUnit:
             if unit._resharded:
                 unit.prefetch()
 
-    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        local_grads = self.reduce_scatter(grads)
+    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        if self.reduce_scatter_async and self.groups.size > 1:
+            pending = self._issue_reduce_scatter(grads, async_op=True)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._accumulate(*pending)
+            )
+            local_grads = [None] * len(self.slots)  # added to .grad when the backward ends
+        else:
+            local_grads = self.reduce_scatter(grads)
         self._unshadow()
         self._free()
         self.fulls = None
