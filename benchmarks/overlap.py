@@ -57,7 +57,7 @@ def _teardown() -> None:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
 
 
-def emulated_link(rate_mbit: float, burst_kb: int, latency_ms: int) -> str | None:
+def emulated_link(rate_mbit: float, burst_kb: int, latency_ms: int, mtu: int) -> str | None:
     """Set up the namespaces and the rate-limited veth pair; None, or why not."""
     if os.geteuid() != 0:
         return "not root"
@@ -71,7 +71,7 @@ def emulated_link(rate_mbit: float, burst_kb: int, latency_ms: int) -> str | Non
         for ns, dev, addr in zip(NAMESPACES, DEVICES, ADDRESSES, strict=True):
             _sh("ip", "link", "set", dev, "netns", ns)
             _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "up")
+            _sh("ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up")
             _sh("ip", "-n", ns, "link", "set", "lo", "up")
             _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                 "rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency",
@@ -124,7 +124,10 @@ def worker(args) -> None:
     records: dict[str, list[dict]] = {name: [] for name in trainers}
     for step in range(args.steps):
         for name, trainer in trainers.items():
+            thread_cpu, process_cpu = time.thread_time(), time.process_time()
             record = trainer.step(step)
+            record["main_thread_cpu_s"] = time.thread_time() - thread_cpu
+            record["process_cpu_s"] = time.process_time() - process_cpu
             trainer.plugins.hook.europa_after_step(job=trainer.job, step=step, metrics=record)
             records[name].append({k: v for k, v in record.items() if not isinstance(v, dict)})
     if int(os.environ["RANK"]) == 0:
@@ -170,6 +173,10 @@ def _summary(records: list[dict]) -> dict:
         "exposed_comm_s": statistics.median(r["overlap_exposed_comm_s"] for r in timed),
         "comm_s": statistics.median(r["overlap_comm_s"] for r in timed),
         "compute_s": statistics.median(r["overlap_compute_s"] for r in timed),
+        # CPU seconds rank 0 used in a step: its training thread, and all its threads
+        # (gloo's, the kernel's socket work on their behalf): what competes for the cores.
+        "training_thread_cpu_s": statistics.median(r["main_thread_cpu_s"] for r in timed),
+        "process_cpu_s": statistics.median(r["process_cpu_s"] for r in timed),
         "exposed_by_kind_s": {
             key.removeprefix("overlap_").removesuffix("_exposed_s"): statistics.median(
                 r[key] for r in timed
@@ -188,7 +195,8 @@ def main() -> None:
     parser.add_argument("--preset", default="debug")
     parser.add_argument("--ep", type=int, default=2)
     parser.add_argument("--rate-mbit", type=float, default=300.0, help="emulated link rate")
-    parser.add_argument("--burst-kb", type=int, default=64, help="tbf burst (above the MTU)")
+    parser.add_argument("--burst-kb", type=int, default=256, help="tbf burst (above the MTU)")
+    parser.add_argument("--mtu", type=int, default=65000, help="veth MTU (fewer packets: less CPU)")
     parser.add_argument("--latency-ms", type=int, default=100, help="tbf queue limit, as delay")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--set", action="append", default=[], help="extra KEY=VALUE settings")
@@ -202,7 +210,9 @@ def main() -> None:
     if args.steps < 3:
         parser.error("--steps must be at least 3 (one warm-up step, then timed ones)")
 
-    why_not = emulated_link(args.rate_mbit, args.burst_kb, args.latency_ms)
+    if args.burst_kb * 1024 <= args.mtu:
+        parser.error(f"--burst-kb {args.burst_kb}: expected more than the MTU ({args.mtu} bytes)")
+    why_not = emulated_link(args.rate_mbit, args.burst_kb, args.latency_ms, args.mtu)
     link = "emulated" if why_not is None else "loopback"
     if why_not is not None:
         print(f"overlap benchmark: no emulated link ({why_not}); running over loopback, where "
@@ -227,8 +237,9 @@ def main() -> None:
         "steps": args.steps,
         "link": link,
         "link_detail": (
-            f"veth between two network namespaces, tc tbf rate {args.rate_mbit:g} Mbit/s, "
-            f"burst {args.burst_kb} KiB, latency {args.latency_ms} ms, each direction"
+            f"veth between two network namespaces (MTU {args.mtu}), tc tbf rate "
+            f"{args.rate_mbit:g} Mbit/s, burst {args.burst_kb} KiB, latency {args.latency_ms} ms, "
+            "each direction"
             if link == "emulated"
             else f"loopback: {why_not}"
         ),
