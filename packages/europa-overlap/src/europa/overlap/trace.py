@@ -130,13 +130,14 @@ def svg(records: list[dict[str, Any]]) -> str:
 
 
 def _axis(end: float, scale: float, y: float) -> str:
-    step = 10 ** max(-3, len(str(int(end * 10))) - 2) if end else 1
-    ticks, t = [], 0.0
-    while t <= end and len(ticks) < 40:
-        x = LABEL_WIDTH + t * scale
+    """About ten ticks, at 1, 2 or 5 times a power of ten seconds."""
+    nice = [m * 10.0**e for e in range(-4, 4) for m in (1, 2, 5)]
+    step = next((n for n in nice if end / n <= 12), nice[-1])
+    ticks = []
+    for index in range(int(end / step) + 1):
+        t, x = index * step, LABEL_WIDTH + index * step * scale
         ticks.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 5}" stroke="#333"/>'
                      f'<text x="{x:.1f}" y="{y + 17}" font-size="10">{t:g} s</text>')  # fmt: skip
-        t += step
     return "".join(ticks)
 
 
