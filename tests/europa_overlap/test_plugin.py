@@ -1,5 +1,6 @@
-"""``europa train -p overlap``: the same losses with and without it, under FlexShard (ep = 2)
-and FSDP2 with offload; the timeline in metrics.jsonl; ``europa trace``; the plan; bad input."""
+"""``europa train -p overlap``: the same losses with and without it, under FlexShard (ep = 2,
+also with recomputation and offload) and FSDP2; the timeline in metrics.jsonl; ``europa
+trace``; the plan; bad input."""
 
 from __future__ import annotations
 
@@ -16,19 +17,21 @@ from tests.trainer_runs import Run, train_runs
 COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_size=2",
           "training.seq_len=32"]  # fmt: skip
 EP = ["parallel.ep=2", "flexshard.log_plan=false"]
-OFFLOAD = ["offload.min_tensor_kib=1"]
-KEEP = '"all_but_last"'
+RECOMPUTE = ['activation_checkpointing.mode="full"', "offload.min_tensor_kib=1"]
+KEEP_LAST = ['overlap.reshard_after_forward="all_but_last"', "overlap.prefetch_depth=2"]
 RUNS = [
     Run("flexshard", [*COMMON, *EP], ["flexshard"]),
     Run("flexshard-overlap", [*COMMON, *EP, "overlap.trace_steps=2"], ["flexshard", "overlap"]),
-    Run("fsdp2-offload", [*COMMON, *OFFLOAD], ["offload"]),
+    Run("flexshard-offload", [*COMMON, *EP, *RECOMPUTE], ["flexshard", "offload"]),
     Run(
-        "fsdp2-offload-overlap",
-        [*COMMON, *OFFLOAD, f"overlap.reshard_after_forward={KEEP}"],
-        ["offload", "overlap"],
+        "flexshard-offload-overlap",
+        [*COMMON, *EP, *RECOMPUTE, *KEEP_LAST],
+        ["flexshard", "offload", "overlap"],
     ),
+    Run("fsdp2", COMMON),
+    Run("fsdp2-overlap", [*COMMON, *KEEP_LAST], ["overlap"]),
 ]
-PAIRS = [("flexshard", "flexshard-overlap"), ("fsdp2-offload", "fsdp2-offload-overlap")]
+PAIRS = [(r.name, f"{r.name}-overlap") for r in RUNS if "overlap" not in r.name]
 
 
 @pytest.fixture(scope="module")
@@ -49,14 +52,14 @@ def test_losses_are_identical_with_and_without_overlap(runs):
 @pytest.mark.distributed
 def test_every_step_reports_its_communication(runs):
     _, records = runs
-    for name in ("flexshard-overlap", "fsdp2-offload-overlap"):
+    for name in ("flexshard-overlap", "flexshard-offload-overlap", "fsdp2-overlap"):
         for record in records[name]:
             assert 0 < record["overlap_compute_s"] <= record["overlap_step_s"]
             assert 0 <= record["overlap_exposed_comm_s"] <= record["overlap_comm_s"]
             assert record["overlap_parameter_gather_s"] > 0
             assert record["overlap_gradient_reduce_scatter_s"] > 0
     assert all(r["overlap_expert_all_to_all_s"] > 0 for r in records["flexshard-overlap"])
-    assert all(r["overlap_expert_all_to_all_s"] == 0 for r in records["fsdp2-offload-overlap"])
+    assert all(r["overlap_expert_all_to_all_s"] == 0 for r in records["fsdp2-overlap"])
     assert not any(k.startswith("overlap_") for k in records["flexshard"][0])
 
 
