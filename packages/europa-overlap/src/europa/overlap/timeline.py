@@ -6,7 +6,10 @@ collective is done. So a rank's step is measured by three kinds of interval:
 
 * **communication**: from the call that issues a collective to its completion
   (the work's future callback, which fires on the communication thread; for a
-  synchronous call, when it returns);
+  synchronous call, when it returns). A work without a future ends at its
+  first wait: on gloo (torch 2.13) the reduce-scatter's work has none
+  (``getFuture`` is not implemented, ``is_completed()`` stays False), so its
+  interval may look longer than the transfer was; the blocked time is exact;
 * **blocked**: the training thread waiting for a collective: a synchronous
   call, ``work.wait()``, or ``wait_tensor`` of a functional collective;
 * **compute**: the rest of the step on the training thread.
