@@ -11,8 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from europa.cli.app import run
-from tests.conftest import run_ranks
-from tests.trainer_runs import Run, train_runs
+from tests.trainer_runs import Run
 
 COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_size=2",
           "training.seq_len=32"]  # fmt: skip
@@ -34,10 +33,10 @@ RUNS = [
 PAIRS = [(r.name, f"{r.name}-overlap") for r in RUNS if "overlap" not in r.name]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("overlap-runs")
-    return root, run_ranks(train_runs, 2, str(root), RUNS, timeout=300)[0]
+@pytest.fixture
+def runs(overlap_group):
+    root, results = overlap_group  # RUNS on 2 gloo ranks (conftest.py); rank 0's metrics
+    return root, results[0]["runs"]
 
 
 @pytest.mark.distributed
