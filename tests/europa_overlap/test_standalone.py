@@ -29,3 +29,8 @@ def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
     assert len((trace / "overlap" / "timeline-rank0.jsonl").read_text().splitlines()) == 4
     losses = ast.literal_eval(lines[-1].removeprefix("losses "))
     assert losses[-1] < losses[0]
+    # Every europa command imports the plugin module: it must not pull in torch.
+    light = run_without_core(
+        python, "import sys, europa.overlap.plugin\nassert 'torch' not in sys.modules"
+    )
+    assert light.returncode == 0, light.stderr

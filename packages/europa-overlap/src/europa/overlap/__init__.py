@@ -16,11 +16,18 @@ Plain API (needs only torch):
 ``europa.overlap.plugin`` adapts these to europa's hooks (``europa train -p overlap``).
 """
 
-from europa.overlap.errors import OverlapError
-from europa.overlap.experts import overlap_expert_all_to_all
-from europa.overlap.prefetch import RESHARD_POLICIES, prefetch_fsdp, prefetch_gather_units
-from europa.overlap.timeline import StepTimeline, Timeline
-from europa.overlap.trace import write_trace
+# The names load on first use (PEP 562), so that importing the plugin module,
+# which every ``europa`` command does, does not import torch.
+_WHERE = {
+    "RESHARD_POLICIES": "europa.overlap.prefetch",
+    "OverlapError": "europa.overlap.errors",
+    "StepTimeline": "europa.overlap.timeline",
+    "Timeline": "europa.overlap.timeline",
+    "overlap_expert_all_to_all": "europa.overlap.experts",
+    "prefetch_fsdp": "europa.overlap.prefetch",
+    "prefetch_gather_units": "europa.overlap.prefetch",
+    "write_trace": "europa.overlap.trace",
+}
 
 __all__ = [
     "RESHARD_POLICIES",
@@ -32,3 +39,13 @@ __all__ = [
     "prefetch_gather_units",
     "write_trace",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

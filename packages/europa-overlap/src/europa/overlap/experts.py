@@ -164,8 +164,9 @@ class _Launch(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         flight = ctx.flight
         flight.work.wait()  # the reverse exchange ``_Wait.backward`` issued
+        grad_in, flight.grad = flight.grad, None
         flight.work, flight.keep = None, []
-        return None, flight.grad
+        return None, grad_in
 
 
 class _Wait(torch.autograd.Function):
