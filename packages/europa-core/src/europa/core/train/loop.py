@@ -21,7 +21,7 @@ from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import SUMMARY_FILE
+from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import build_batches
 from europa.core.train.distributed import (
@@ -142,6 +142,7 @@ class Trainer:
             "loss": _mean_over_ranks(loss),
             "lr": lr,
             "grad_norm": grad_norm,
+            "tokens_seen": self.batches.tokens_per_step * (step + 1),
             "tokens_per_s": self.batches.tokens_per_step / elapsed,
             "step_time_s": elapsed,
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
@@ -150,6 +151,19 @@ class Trainer:
         }
 
     # -- the run --------------------------------------------------------------------------
+
+    def _write_job_file(self) -> None:
+        """What a report of a run still going needs and the config does not say."""
+        job = self.job
+        info = {
+            "world_size": job.world_size,
+            "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)),
+            "device": job.device.type,
+            "parameters": self.counts.as_dict(),
+        }
+        staged = job.run_dir / f".{JOB_FILE}.partial"
+        staged.write_text(json.dumps(info, indent=2) + "\n")
+        staged.replace(job.run_dir / JOB_FILE)
 
     def run(self) -> dict[str, Any]:
         job, cfg = self.job, self.job.config
@@ -161,8 +175,10 @@ class Trainer:
                 total_steps=cfg.training.steps,
                 start_step=start,
                 progress=cfg.metrics.progress,
+                tensorboard=cfg.metrics.tensorboard,
             )
             job.emit_metrics = sink
+            self._write_job_file()
         first_loss = last_loss = None
         began = time.perf_counter()
         done = saved_at = start
