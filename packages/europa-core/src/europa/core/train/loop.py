@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -41,6 +42,20 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)  # gloo has no AVG
         value /= dist.get_world_size()
     return value.item()
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """The largest over ranks of this step's peak device memory (CUDA), or of the
+    process's peak resident memory so far (CPU, where host memory is the limit)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    value = torch.tensor(float(peak), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 class Trainer:
@@ -145,6 +160,7 @@ class Trainer:
             "tokens_seen": self.batches.tokens_per_step * (step + 1),
             "tokens_per_s": self.batches.tokens_per_step / elapsed,
             "step_time_s": elapsed,
+            "memory_peak_bytes": _peak_memory_bytes(self.job.device),
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
