@@ -25,6 +25,7 @@ class Chart:
 
 
 Column = Callable[[RunData], list[Any]]
+Axis = tuple[str, Column]  # its title, and what it reads from a run
 
 
 def all_charts(runs: list[RunData]) -> list[Chart]:
@@ -67,18 +68,17 @@ def _per_run(
     chart_id: str,
     section: str,
     title: str,
-    x: Column,
-    x_title: str,
-    y: Column,
-    y_title: str,
+    x: Axis,
+    y: Axis,
     scale: float = 1.0,
 ) -> Chart:
     """One curve per run, so several runs overlay on the same axes."""
+    (x_title, x_of), (y_title, y_of) = x, y
     traces = []
     for run in runs:
-        ys = y(run)
+        ys = y_of(run)
         if any(v is not None for v in ys):
-            traces.append(_line(run.label, x(run), [_scaled(v, scale) for v in ys]))
+            traces.append(_line(run.label, x_of(run), [_scaled(v, scale) for v in ys]))
     return Chart(chart_id, section, {"data": traces, "layout": _layout(title, x_title, y_title)})
 
 
@@ -86,85 +86,36 @@ def _scaled(value: float | None, scale: float) -> float | None:
     return None if value is None else value / scale
 
 
-def _key(key: str) -> Column:
-    return lambda run: series.column(run, key)
+def _key(y_title: str, key: str) -> Axis:
+    return y_title, lambda run: series.column(run, key)
 
 
-STEP = ("step", series.steps)
-TOKENS = ("tokens seen", series.tokens_seen)
+STEP: Axis = ("step", series.steps)
+TOKENS: Axis = ("tokens seen", series.tokens_seen)
+LOSS = _key("cross-entropy", "loss")
+LR = _key("learning rate", "lr")
 
 
 def _training(runs: list[RunData]) -> list[Chart]:
-    charts = []
-    for suffix, (x_title, x) in (("", STEP), ("_by_tokens", TOKENS)):
-        charts.append(
-            _per_run(
-                runs,
-                f"loss{suffix}",
-                TRAINING,
-                f"Loss by {x_title}",
-                x,
-                x_title,
-                _key("loss"),
-                "cross-entropy",
-            )
-        )
-        charts.append(
-            _per_run(
-                runs,
-                f"lr{suffix}",
-                TRAINING,
-                f"Learning rate by {x_title}",
-                x,
-                x_title,
-                _key("lr"),
-                "learning rate",
-            )
-        )
-    x_title, x = STEP
-    charts.append(
-        _per_run(
-            runs,
-            "grad_norm",
-            TRAINING,
-            "Gradient norm (before clipping)",
-            x,
-            x_title,
-            _key("grad_norm"),
-            "global L2 norm",
-        )
-    )
-    return charts
+    return [
+        _per_run(runs, "loss", TRAINING, "Loss by step", STEP, LOSS),
+        _per_run(runs, "loss_by_tokens", TRAINING, "Loss by tokens seen", TOKENS, LOSS),
+        _per_run(runs, "grad_norm", TRAINING, "Gradient norm (before clipping)", STEP,
+                 _key("global L2 norm", "grad_norm")),
+        _per_run(runs, "lr", TRAINING, "Learning rate by step", STEP, LR),
+        _per_run(runs, "lr_by_tokens", TRAINING, "Learning rate by tokens seen", TOKENS, LR),
+    ]  # fmt: skip
 
 
 def _speed_and_memory(runs: list[RunData]) -> list[Chart]:
-    x_title, x = STEP
+    memory = "Peak memory (device on CUDA, process on CPU; largest rank)"
     return [
-        _per_run(
-            runs,
-            "tokens_per_s",
-            SPEED,
-            "Throughput",
-            x,
-            x_title,
-            _key("tokens_per_s"),
-            "tokens/s (all ranks)",
-        ),
-        _per_run(
-            runs, "step_time_s", SPEED, "Step time", x, x_title, _key("step_time_s"), "seconds"
-        ),
-        _per_run(
-            runs,
-            "memory_peak_bytes",
-            SPEED,
-            "Peak memory (device on CUDA, process on CPU; largest rank)",
-            x,
-            x_title,
-            _key("memory_peak_bytes"),
-            "MiB",
-            scale=MIB,
-        ),
-    ]
+        _per_run(runs, "tokens_per_s", SPEED, "Throughput", STEP,
+                 _key("tokens/s (all ranks)", "tokens_per_s")),
+        _per_run(runs, "step_time_s", SPEED, "Step time", STEP, _key("seconds", "step_time_s")),
+        _per_run(runs, "memory_peak_bytes", SPEED, memory, STEP,
+                 _key("MiB", "memory_peak_bytes"), scale=MIB),
+    ]  # fmt: skip
 
 
 def _expert_load(runs: list[RunData]) -> list[Chart]:
@@ -180,23 +131,23 @@ def _expert_load(runs: list[RunData]) -> list[Chart]:
         {
             "data": traces,
             "layout": _layout(
-                "Expert imbalance per MoE layer (max / mean share of routed tokens; 1 = even)",
+                "Expert imbalance per MoE layer (1 = even)",
                 "step",
-                "max / mean",
+                "max / mean share of routed tokens",
             ),
         },
     )
     return [
         imbalance,
         *(
-            _heatmap(i, run, layer)
+            _heatmap(i, run, layer, named=len(runs) > 1)
             for i, run in enumerate(runs)
             for layer in series.layers(run, "expert_load")
         ),
     ]
 
 
-def _heatmap(index: int, run: RunData, layer: str) -> Chart:
+def _heatmap(index: int, run: RunData, layer: str, *, named: bool) -> Chart:
     x, z = series.expert_load(run, layer)
     experts = len(z)
     trace = {
@@ -209,7 +160,7 @@ def _heatmap(index: int, run: RunData, layer: str) -> Chart:
         "colorbar": {"title": {"text": "share"}},
         "hovertemplate": "step %{x}<br>expert %{y}<br>share %{z:.3f}<extra></extra>",
     }
-    title = f"Expert load, {run.label} {layer}: share of routed tokens per expert"
+    title = f"Expert load, {layer}: share of routed tokens" + (f" ({run.label})" if named else "")
     layout = _layout(title, "step", "expert", hovermode="closest")
     layout["height"] = min(640, 160 + 14 * experts)
     if experts <= 16:

@@ -101,25 +101,24 @@ def _facts(run: RunData) -> dict[str, str]:
     counts = job.get("parameters") or summary.get("parameters") or {}
     world = job.get("world_size", summary.get("world_size"))
     mesh = job.get("mesh") or {}
-    last = run.records[-1]
     losses = [v for v in series.column(run, "loss") if v is not None]
     facts = {
         "directory": str(run.path),
         "status": _status(run),
-        "parameters": _millions(counts.get("total")),
-        "active per token": _millions(counts.get("active_per_token")),
-        "routed experts": _millions(counts.get("routed_experts")),
+        "parameters": (
+            f"{_millions(counts.get('total'))} total, "
+            f"{_millions(counts.get('active_per_token'))} active per token, "
+            f"{_millions(counts.get('routed_experts'))} in routed experts"
+        ),
         "world size": "—" if world is None else str(world),
         "mesh": " × ".join(f"{axis}={size}" for axis, size in mesh.items()) or "—",
         "device": str(job.get("device", "—")),
         "plugins": ", ".join(run.enabled_plugins) or "none",
         "loss": f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "—",
         "tokens seen": _millions(series.tokens_seen(run)[-1]),
-        "last tokens/s": _number(last.get("tokens_per_s"), "{:.0f}"),
+        "last tokens/s": _number(run.records[-1].get("tokens_per_s"), "{:.0f}"),
+        "training time": _number(summary.get("seconds"), "{:.0f} s"),
     }
-    for key, value in summary.items():
-        if key not in ("parameters", "world_size"):
-            facts[f"summary: {key}"] = _number(value, "{:.4g}")
     if run.notes:
         facts["notes"] = "; ".join(run.notes)
     return facts
@@ -148,9 +147,13 @@ def _number(value: Any, fmt: str) -> str:
 
 
 def _configs(runs: list[RunData]) -> str:
-    blocks = "".join(
-        f"<details{' open' if len(runs) == 1 else ''}><summary>{escape(run.label)}</summary>"
-        f"<pre>{escape(run.config_text or '(no config.toml)')}</pre></details>"
-        for run in runs
-    )
-    return f'<section id="config"><h2>Resolved config</h2>{blocks}</section>'
+    """The resolved config.toml and summary.json of each run, as the files say."""
+    blocks = []
+    for run in runs:
+        summary = json.dumps(run.summary, indent=2) if run.summary else "(no summary.json yet)"
+        for name, text in (("summary.json", summary), ("config.toml", run.config_text)):
+            blocks.append(
+                f"<details open><summary>{escape(run.label)}: {name}</summary>"
+                f"<pre>{escape(text or f'(no {name})')}</pre></details>"
+            )
+    return f'<section id="files"><h2>Summary and resolved config</h2>{"".join(blocks)}</section>'

@@ -26,7 +26,9 @@ def report_command(
     ],
     out: Annotated[
         Path | None,
-        typer.Option("--out", metavar="FILE.html", help="Default: RUN_DIR/report.html."),
+        typer.Option(
+            "--out", metavar="FILE.html", help="Default: report.html in the first RUN_DIR."
+        ),
     ] = None,
     open_page: Annotated[
         bool, typer.Option("--open", help="Open the page in a web browser.")
