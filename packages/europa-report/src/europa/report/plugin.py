@@ -22,7 +22,7 @@ def europa_register_commands(app: Any) -> None:
 def report_command(
     run_dirs: Annotated[
         list[Path],
-        typer.Argument(metavar="RUN_DIR...", help="One run directory, or several to compare."),
+        typer.Argument(metavar="RUN_DIR", help="One run directory, or several to compare."),
     ],
     out: Annotated[
         Path | None,
