@@ -14,7 +14,9 @@ from tests.europa_report.pages import read_page
 CHROMIUM_ENV = "EUROPA_CHROMIUM"
 
 
-def _chromium() -> str:
+@pytest.fixture
+def chromium() -> str:
+    """The browser's path; asked for before the shared run, so a skip costs nothing."""
     found = (
         os.environ.get(CHROMIUM_ENV) or shutil.which("chromium") or shutil.which("chromium-browser")
     )
@@ -29,8 +31,7 @@ def _chromium() -> str:
     pytest.skip(reason)
 
 
-def test_the_page_draws_every_chart_in_chromium_with_no_network(tiny_run, tmp_path):
-    executable = _chromium()
+def test_the_page_draws_every_chart_in_chromium_with_no_network(chromium, tiny_run, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed")
     out = write_report([tiny_run], tmp_path / "report.html")
     chart_ids, _, _ = read_page(out)
@@ -45,7 +46,7 @@ def test_the_page_draws_every_chart_in_chromium_with_no_network(tiny_run, tmp_pa
         return route.continue_()
 
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable)
+        browser = playwright.chromium.launch(executable_path=chromium)
         try:
             context = browser.new_context(offline=True, viewport={"width": 1400, "height": 900})
             context.route("**/*", refuse_network)
