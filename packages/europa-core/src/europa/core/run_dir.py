@@ -1,10 +1,12 @@
 """The run directory: what it holds, where it goes, and how it is created.
 
 Layout: ``config.toml`` (the resolved config), ``metrics.jsonl`` (one record per
-step), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints; ``.partial``
-folders are never loaded), ``summary.json`` and ``worker-errors/rank-N.txt``
-(a worker's one-line error, read by the launcher). The names import nothing
-heavy, so the CLI can use them without torch.
+step), ``job.json`` (world size, mesh, device and parameter counts, written when
+training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
+``.partial`` folders are never loaded), ``summary.json``, ``tensorboard/``
+(event files, when ``[metrics] tensorboard = true``) and
+``worker-errors/rank-N.txt`` (a worker's one-line error, read by the launcher).
+The names import nothing heavy, so the CLI can use them without torch.
 """
 
 from __future__ import annotations
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+JOB_FILE = "job.json"
+TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS = "checkpoints"
 WORKER_ERRORS = "worker-errors"
 RUNS_ROOT = Path("runs")

@@ -108,6 +108,9 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = setting(1, gt=0)
     progress: bool = setting(True, doc="progress bar on rank 0")
+    tensorboard: bool = setting(
+        False, doc="also write TensorBoard event files under the run directory's tensorboard/"
+    )
 
 
 @dataclass(kw_only=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -21,7 +22,7 @@ from europa.core.job import Job
 from europa.core.model import count_parameters, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import SUMMARY_FILE
+from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import build_batches
 from europa.core.train.distributed import (
@@ -41,6 +42,20 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)  # gloo has no AVG
         value /= dist.get_world_size()
     return value.item()
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    """The largest over ranks of this step's peak device memory (CUDA), or of the
+    process's peak resident memory so far (CPU, where host memory is the limit)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    value = torch.tensor(float(peak), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
 
 
 class Trainer:
@@ -142,14 +157,29 @@ class Trainer:
             "loss": _mean_over_ranks(loss),
             "lr": lr,
             "grad_norm": grad_norm,
+            "tokens_seen": self.batches.tokens_per_step * (step + 1),
             "tokens_per_s": self.batches.tokens_per_step / elapsed,
             "step_time_s": elapsed,
+            "memory_peak_bytes": _peak_memory_bytes(self.job.device),
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
         }
 
     # -- the run --------------------------------------------------------------------------
+
+    def _write_job_file(self) -> None:
+        """What a report of a run still going needs and the config does not say."""
+        job = self.job
+        info = {
+            "world_size": job.world_size,
+            "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)),
+            "device": job.device.type,
+            "parameters": self.counts.as_dict(),
+        }
+        staged = job.run_dir / f".{JOB_FILE}.partial"
+        staged.write_text(json.dumps(info, indent=2) + "\n")
+        staged.replace(job.run_dir / JOB_FILE)
 
     def run(self) -> dict[str, Any]:
         job, cfg = self.job, self.job.config
@@ -161,8 +191,10 @@ class Trainer:
                 total_steps=cfg.training.steps,
                 start_step=start,
                 progress=cfg.metrics.progress,
+                tensorboard=cfg.metrics.tensorboard,
             )
             job.emit_metrics = sink
+            self._write_job_file()
         first_loss = last_loss = None
         began = time.perf_counter()
         done = saved_at = start
