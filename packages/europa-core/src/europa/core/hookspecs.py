@@ -123,6 +123,12 @@ def europa_init_parameters(
     numbers for every layout and world size; call it for each matrix this rank
     holds. Return True. Core's default handles plain and DTensor parameters;
     buffers are core's and are filled afterwards.
+
+    ``init_matrix`` may also have ``fill_region(name, index, out, region)``,
+    filling ``out`` with ``region`` (a tuple of slices) of that matrix: a
+    layout holding only part of a matrix should call it when present. With
+    ``model.init_from = "hf:DIR"`` the initialiser reads the checkpoint, so a
+    layout that asks for just what it holds reads just that from disk.
     """
 
 
@@ -213,7 +219,11 @@ def europa_checkpoint_state(
 def europa_plan(job: Job, plan: dict[str, Any]) -> None:
     """State what this plugin changes in the analytic memory and communication
     plan (all run), so ``europa plan`` composes plugins as ``europa train`` does.
-    ``plan`` is a mutable mapping of named memory and traffic terms."""
+    ``plan`` is a mutable mapping of named memory and traffic terms. It holds
+    ``parameter_shapes`` ({name: full shape}), ``world_size`` and
+    ``parameter_itemsize``; a layout plugin sets ``layout_bytes_per_rank`` (the
+    parameter bytes each global rank holds), which ``europa import-hf`` reports
+    as what each rank would read (core computes FSDP2's when no plugin does)."""
 
 
 # --------------------------------------------------------------------------------------

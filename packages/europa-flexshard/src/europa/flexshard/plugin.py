@@ -168,7 +168,9 @@ def europa_plan(job, plan):
     adds ``plan["flexshard"]``: the ownership summary (bytes per rank, max / mean),
     the bytes communicated inside ``optimizer.step()`` (none), and with
     ``parallel.ep > 1`` the resident routed-expert bytes per rank and the expert
-    all-to-all payload per rank and step. 3-D parameters are the routed experts."""
+    all-to-all payload per rank and step. 3-D parameters are the routed experts.
+    Also sets ``plan["layout_bytes_per_rank"]``: the parameter bytes each global
+    rank holds (what ``europa import-hf`` reports each rank would read)."""
     from europa.flexshard.experts import all_to_all_bytes_per_rank, expert_stack
     from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
@@ -217,3 +219,9 @@ def europa_plan(job, plan):
         }
     summary["state_bytes_per_rank_max"] = (summary["bytes_max"] + expert_bytes) * copies
     plan[NAME] = summary
+    # Global rank r is shard rank r % (dp_shard × ep) and expert rank r % ep.
+    routed_bytes = summary.get("routed_expert_bytes_per_rank")
+    plan["layout_bytes_per_rank"] = [
+        summary["bytes_per_rank"][r % shard_ranks] + (routed_bytes[r % ep] if routed_bytes else 0)
+        for r in range(plan["world_size"])
+    ]
