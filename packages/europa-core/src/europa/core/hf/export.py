@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +120,9 @@ def _read_file(path: Path, file: _File, shapes, present: set[str]) -> dict[str, 
             state[f"model.{name}"] = local
         locals_[name] = local
     if state:
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # one process on purpose
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, checkpoint_id=str(path), no_dist=True)
     out = {}
     for name, run in runs.items():
         local = locals_.get(name)

@@ -127,22 +127,28 @@ def plan_import(
     return result
 
 
+def _human(n: float) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def describe(result: dict[str, Any]) -> str:
-    gib = 2**30
     per_rank = result["bytes_per_rank"]
     lines = [
         f"europa import-hf {result['checkpoint']}: {result['hf_tensors']} Hugging Face tensors "
-        f"({result['total_bytes'] / gib:.2f} GiB at {result['itemsize']} byte(s) an element) "
+        f"({_human(result['total_bytes'])} at {result['itemsize']} byte(s) an element) "
         f"map onto this [model]"
         + ("" if result["weights_present"] else " (config.json only: weights not checked)"),
     ]
     for key, row in result["mapping"].items():
-        lines.append(f"  {key}  ({row['tensors']} tensors, {row['bytes'] / 2**20:.1f} MiB)")
+        lines.append(f"  {key}  ({row['tensors']} tensors, {_human(row['bytes'])})")
     if result["skipped"]:
         lines.append(f"  skipped (MTP layers europa does not build): {len(result['skipped'])}")
     lines.append(
         f"bytes read per rank over {result['world_size']} rank(s): max "
-        f"{max(per_rank) / gib:.3f} GiB, mean {sum(per_rank) / len(per_rank) / gib:.3f} GiB, "
-        f"min {min(per_rank) / gib:.3f} GiB"
+        f"{_human(max(per_rank))}, mean {_human(sum(per_rank) / len(per_rank))}, "
+        f"min {_human(min(per_rank))}"
     )
     return "\n".join(lines)

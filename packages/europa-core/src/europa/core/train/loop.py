@@ -60,8 +60,10 @@ class Trainer:
         hook.europa_wrap_model(job=job, model=model)
         hook.europa_init_parameters(job=job, model=model, init_matrix=init_matrix)
         init_buffers(model, job.device)
+        self.imported_bytes = None  # bytes this rank read from model.init_from
         if isinstance(init_matrix, HFInitialiser):
             load_buffers(model, init_matrix)
+            self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
         built = hook.europa_build_optimizer(job=job, model=model)
