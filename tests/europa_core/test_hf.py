@@ -5,7 +5,9 @@ expert parallelism)."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -98,3 +100,66 @@ def test_two_ranks_fsdp2_and_flexshard_import_and_export_match_transformers(
         export_hf(tmp_path / name, out, max_shard_bytes=300_000)
         assert relative_error(hf_logits(out), got["trained"]) < TOLERANCE, name
         assert relative_error(got["trained"], got["imported"]) > TOLERANCE, name  # it trained
+
+
+# -- bad input: one line, exit 2 ------------------------------------------------------------
+
+
+def _copy(reference, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(reference[0], tmp_path / "ck"))
+
+
+def _fails(capsys, *argv) -> str:
+    from europa.cli.app import run
+
+    assert run(list(argv)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("europa: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
+def test_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    assert "has no config.json" in _fails(capsys, "import-hf", str(tmp_path))
+    assert "is not a directory" in _fails(capsys, "import-hf", str(tmp_path / "nothing"))
+
+
+def test_architecture_mismatch_is_one_line(reference, tmp_path, capsys):
+    ck = _copy(reference, tmp_path)
+    config = json.loads((ck / "config.json").read_text())
+    config |= {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    (ck / "config.json").write_text(json.dumps(config))
+    assert "expected DeepseekV3ForCausalLM" in _fails(capsys, "import-hf", str(ck))
+
+
+def test_missing_shard_is_one_line(reference, tmp_path, capsys):
+    ck = _copy(reference, tmp_path)
+    (ck / "model-00002-of-00005.safetensors").unlink()
+    err = _fails(capsys, "import-hf", str(ck))
+    assert "model-00002-of-00005.safetensors" in err and "is missing" in err
+
+
+def test_shape_mismatch_names_the_tensor_and_both_shapes(reference, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    ck = _copy(reference, tmp_path)
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    index = json.loads((ck / "model.safetensors.index.json").read_text())
+    shard = ck / index["weight_map"][key]
+    tensors = load_file(shard)
+    tensors[key] = tensors[key][:, :-1].contiguous()
+    save_file(tensors, shard, metadata={"format": "pt"})
+    err = _fails(capsys, "import-hf", str(ck))
+    assert key in err and "[32, 63]" in err and "[32, 64]" in err
+
+
+def test_config_mismatch_names_the_key(reference, capsys):
+    err = _fails(capsys, "import-hf", str(reference[0]), "--set", "model.top_k=1")
+    assert "model.top_k = 1" in err and "gives 2" in err
+
+
+def test_training_from_a_bad_checkpoint_fails_before_launching(tmp_path, capsys):
+    err = _fails(capsys, "train", "--set", f'model.init_from="hf:{tmp_path}"', "--nproc", "1",
+                 "--run-dir", str(tmp_path / "run"))  # fmt: skip
+    assert "has no config.json" in err and not (tmp_path / "run").exists()
