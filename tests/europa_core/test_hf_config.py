@@ -85,7 +85,7 @@ def test_yarn_attention_factor_must_be_one():
 
 def test_export_refuses_a_softmax_router():
     model = load_config("tiny", ['model.score_func="softmax"']).model
-    with pytest.raises(ConfigError, match='model.score_func = "softmax"'):
+    with pytest.raises(ConfigError, match=re.escape('model.score_func = "softmax"')):
         hf_config_from_model(model)
 
 
@@ -118,3 +118,9 @@ def test_kimi_k2_import_is_planned_on_the_meta_device(tmp_path, capsys):
     assert "layers.{L}.moe.routed_experts.inner_experts.w1_EFD <- " in out
     assert "model.layers.{L}.mlp.experts.{E}.gate_proj.weight  (23040 tensors" in out
     assert "bytes read per rank over 384 rank(s): max 4.98 GiB" in out
+
+
+def test_init_from_other_than_hf_is_refused_before_launch(tmp_path, capsys):
+    argv = ["train", "--set", 'model.init_from="s3:bucket"', "--nproc", "1"]
+    assert run([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert 'model.init_from = "s3:bucket": expected "" (random' in capsys.readouterr().err

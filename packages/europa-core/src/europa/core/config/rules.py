@@ -24,12 +24,6 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
 
 def _check_model(config: EuropaConfig) -> None:
     m = config.model
-    if m.init_from and (not m.init_from.startswith("hf:") or m.init_from == "hf:"):
-        raise fail(
-            "model.init_from",
-            m.init_from,
-            '"" (random initialisation) or "hf:DIR" (a Hugging Face checkpoint folder)',
-        )
     if m.top_k > m.num_experts:
         raise fail("model.top_k", m.top_k, f"at most model.num_experts ({m.num_experts})")
     if m.n_dense_layers >= m.n_layers:
