@@ -48,6 +48,12 @@ class ModelConfig:
     rope_factor: float = setting(1.0, ge=1, doc="YaRN context extension factor; 1 disables it")
     rope_original_seq_len: int = setting(4096, gt=0)
     mscale: float = setting(1.0, gt=0, doc="YaRN attention-scale multiplier")
+    rope_beta_fast: float = setting(32.0, gt=0, doc="YaRN extrapolation boundary (rotations)")
+    rope_beta_slow: float = setting(1.0, gt=0, doc="YaRN interpolation boundary (rotations)")
+    norm_eps: float = setting(1e-5, gt=0, doc="epsilon of every RMSNorm")
+    init_from: str = setting(
+        "", doc='"hf:DIR": start from a Hugging Face DeepSeek-V3 checkpoint; empty: random init'
+    )
 
 
 @dataclass(kw_only=True)

@@ -56,6 +56,11 @@ def preflight(
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
+    elif config.model.init_from:
+        from europa.core.hf.load import open_initialiser
+        from europa.core.model import model_spec
+
+        open_initialiser(model, model_spec(config.model), config.model)  # checks, reads headers
 
 
 def train(

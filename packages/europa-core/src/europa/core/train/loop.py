@@ -18,8 +18,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from europa.core.config.schema import EuropaConfig
+from europa.core.hf.load import HFInitialiser, load_buffers, open_initialiser
 from europa.core.job import Job
-from europa.core.model import count_parameters, update_expert_bias
+from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
@@ -69,11 +70,15 @@ class Trainer:
         self.counts = count_parameters(model)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model)
-        init_matrix = MatrixInitialiser(model, cfg.run.seed)  # full shapes: before sharding
+        init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = hook.europa_shard_model(job=job, model=model)
         hook.europa_wrap_model(job=job, model=model)
         hook.europa_init_parameters(job=job, model=model, init_matrix=init_matrix)
         init_buffers(model, job.device)
+        self.imported_bytes = None  # bytes this rank read from model.init_from
+        if isinstance(init_matrix, HFInitialiser):
+            load_buffers(model, init_matrix)
+            self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
         built = hook.europa_build_optimizer(job=job, model=model)
@@ -85,6 +90,14 @@ class Trainer:
         self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
+
+    def _initialiser(self, model: torch.nn.Module):
+        """Random (from the run seed), or the checkpoint of ``model.init_from`` on a fresh
+        start; a resumed run is about to be overwritten by its own checkpoint."""
+        cfg = self.job.config
+        if cfg.model.init_from and not self.resume:
+            return open_initialiser(model, model_spec(cfg.model), cfg.model)
+        return MatrixInitialiser(model, cfg.run.seed)
 
     def describe(self) -> str:
         job, counts = self.job, self.counts
