@@ -29,6 +29,7 @@ class MetricsSink:
 
     def __init__(self, run_dir: Path, *, total_steps: int, start_step: int, progress: bool):
         self._file = (run_dir / METRICS_FILE).open("a", buffering=1)
+        self._val_loss = ""  # the latest, shown until the next evaluation
         self._bar = (
             tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
             if progress
@@ -38,8 +39,12 @@ class MetricsSink:
     def __call__(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record) + "\n")
         if self._bar is not None and "loss" in record:
+            if "val_loss" in record:
+                self._val_loss = f"{record['val_loss']:.4f}"
+            shown = {"val_loss": self._val_loss} if self._val_loss else {}
             self._bar.set_postfix(
                 loss=f"{record['loss']:.4f}",
+                **shown,
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 imbalance=f"{record['expert_imbalance_max']:.2f}",
