@@ -6,7 +6,6 @@ completion record matches its file (path, size, modification time), tokenizer an
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
@@ -18,16 +17,15 @@ from tqdm import tqdm
 
 from europa.core.data.documents import DataError
 from europa.core.data.shards import (
-    FORMAT,
     MANIFEST,
     TOKENIZER,
     ShardWriter,
     completed_shard,
     document_hash,
-    shard_stem,
     token_dtype,
     tokenizer_hash,
     write_atomically,
+    write_manifest,
 )
 from europa.core.data.sources import Source, find_sources, read_documents
 from europa.core.data.tokenizer import EOS_TOKEN, load_tokenizer
@@ -84,18 +82,14 @@ def prepare_corpus(
         shown = ", ".join(f"'{given}'" for given in inputs)
         raise DataError(f"{input_key} = {shown}: no text found; expected at least one document")
     _remove_stale_shards(directory, len(sources))
-    manifest = {
-        "format": FORMAT,
-        "tokenizer_sha256": sha,
-        "vocab_size": vocab,
-        "eos_id": loaded.token_to_id(EOS_TOKEN),
-        "dtype": common["dtype"],
-        "text_field": text_field,
-        "documents": sum(record["documents"] for record in records.values()),
-        "tokens": sum(record["tokens"] for record in records.values()),
-        "shards": [{"name": shard_stem(index), **records[index]} for index in range(len(sources))],
-    }
-    write_atomically(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    manifest = write_manifest(
+        directory,
+        [records[index] for index in range(len(sources))],
+        tokenizer_sha256=sha,
+        vocab_size=vocab,
+        eos_id=loaded.token_to_id(EOS_TOKEN),
+        text_field=text_field,
+    )
     return manifest
 
 

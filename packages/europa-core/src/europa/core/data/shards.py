@@ -119,6 +119,31 @@ class ShardWriter:
         self._staged.unlink(missing_ok=True)
 
 
+def write_manifest(
+    directory: Path,
+    records: list[dict],
+    *,
+    tokenizer_sha256: str,
+    vocab_size: int,
+    eos_id: int,
+    text_field: str = "text",
+) -> dict:
+    """The manifest of complete shards ``records`` (shard i's record at i), written last."""
+    manifest = {
+        "format": FORMAT,
+        "tokenizer_sha256": tokenizer_sha256,
+        "vocab_size": vocab_size,
+        "eos_id": eos_id,
+        "dtype": token_dtype(vocab_size).str,
+        "text_field": text_field,
+        "documents": sum(record["documents"] for record in records),
+        "tokens": sum(record["tokens"] for record in records),
+        "shards": [{"name": shard_stem(i), **record} for i, record in enumerate(records)],
+    }
+    write_atomically(directory / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
 def completed_shard(directory: Path, index: int) -> dict | None:
     """The completion record of shard ``index``, or None when it is missing or unreadable."""
     path = directory / f"{shard_stem(index)}.json"
