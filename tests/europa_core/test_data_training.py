@@ -55,3 +55,35 @@ def _same_course(records: dict[str, list[dict]]) -> bool:
     keys = ("step", "loss", "val_loss", "grad_norm")
     pick = [[{k: r.get(k) for k in keys} for r in records[name]] for name in ("text", "prepared")]
     return pick[0] == pick[1]
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/status") as status:
+        fields = dict(line.split(":", 1) for line in status)
+    return int(fields["VmRSS"].split()[0]) * 1024
+
+
+@pytest.mark.large
+@pytest.mark.slow
+def test_resident_memory_stays_flat_on_a_corpus_of_hundreds_of_megabytes(tmp_path):
+    # 400 MB of tokens: a rank maps it, draws batches (each one rank's share of a global batch of
+    # 64 sequences) and evaluates; its resident memory grows by what it reads, not by the corpus.
+    from europa.core.data import RankBatches
+    from europa.core.data.shards import PreparedCorpus
+    from europa.core.data.split import split_segments
+    from europa.core.data.synthetic import write_synthetic_corpus
+    from europa.core.data.windows import TokenWindows
+
+    corpus_bytes = 400 * 2**20
+    write_synthetic_corpus(tmp_path / "big", corpus_bytes // 2, shard_tokens=2**25)
+    before = _resident_bytes()
+    corpus = PreparedCorpus(tmp_path / "big", "data.path")
+    kept, _ = split_segments(corpus, 0.01)
+    windows = TokenWindows(corpus, 1024, kept)
+    batches = RankBatches(windows, batch_size=8, dp_rank=3, dp_world=8, seed=1)
+    after_open = _resident_bytes()
+    for step in range(200):
+        batches.batch(step)
+    after_reading = _resident_bytes()
+    assert after_open - before < 8 * 2**20, after_open - before
+    assert after_reading - before < 32 * 2**20, after_reading - before  # 1600 windows read

@@ -18,7 +18,14 @@ Every file is written under a ``.partial`` name and renamed when complete, so a 
 never leaves a shard that looks complete, and a restart keeps the shards it finds complete. The
 token stream of a corpus is its shards' .bin files in order: the stream ``PackedSequences`` builds
 from the same text in memory, so training sequence i is stream tokens [i (L + 1), (i + 1)(L + 1))
-either way. Readers map a .bin with ``numpy.memmap`` and touch only the pages they read.
+either way.
+
+Reading: the document index is memory-mapped (``numpy.load(mmap_mode="r")``), but token windows
+are read with ``os.pread`` of exactly their bytes. Mapping the .bin files (``numpy.memmap``) was
+measured first: on this kernel (6.18, large page-cache folios) every page fault mapped a whole
+folio, about 1 MB, into the process, so a rank's resident memory grew by about 1 MB per sequence
+read and, over a long run, towards the size of the corpus. A positioned read copies only the
+window; the page cache stays shared kernel memory that the system reclaims.
 """
 
 from __future__ import annotations
@@ -168,7 +175,7 @@ class PreparedCorpus:
     """A prepared directory, checked on opening against its manifest (cost: one stat per shard).
 
     ``read(start, length)`` returns stream tokens [start, start + length) as int64, reading only
-    the shards' pages that hold them."""
+    those bytes of the shards (see the note on reading above)."""
 
     def __init__(self, path: str | os.PathLike[str], key: str) -> None:
         self.path, self.key = Path(path), key
@@ -199,7 +206,7 @@ class PreparedCorpus:
         for shard in self.shards:
             self._check(shard, where)
         self.starts = np.cumsum([0] + [shard.tokens for shard in self.shards], dtype=np.int64)
-        self._maps: dict[int, np.ndarray] = {}
+        self._descriptors: dict[int, int] = {}
 
     def _check(self, shard: Shard, where: str) -> None:
         expected = shard.tokens * self.dtype.itemsize
@@ -227,13 +234,22 @@ class PreparedCorpus:
         """A hash of the manifest: what caches derived from this corpus are keyed by."""
         return hashlib.sha256((self.path / MANIFEST).read_bytes()).hexdigest()
 
-    def _map(self, index: int) -> np.ndarray:
-        mapped = self._maps.get(index)
-        if mapped is None:
-            shard = self.shards[index]
-            mapped = np.memmap(shard.bin_path, dtype=self.dtype, mode="r", shape=(shard.tokens,))
-            self._maps[index] = mapped
-        return mapped
+    def _descriptor(self, index: int) -> int:
+        descriptor = self._descriptors.get(index)
+        if descriptor is None:
+            descriptor = os.open(self.shards[index].bin_path, os.O_RDONLY)
+            self._descriptors[index] = descriptor
+        return descriptor
+
+    def _read_shard(self, index: int, offset: int, count: int) -> np.ndarray:
+        size = self.dtype.itemsize
+        data = os.pread(self._descriptor(index), count * size, offset * size)
+        if len(data) != count * size:
+            raise DataError(
+                f"{self.key} = '{self.path}': shard '{self.shards[index].bin_path.name}' ended "
+                f"early; expected {self.shards[index].tokens} tokens (prepare the corpus again)"
+            )
+        return np.frombuffer(data, dtype=self.dtype)
 
     def read(self, start: int, length: int) -> np.ndarray:
         out = np.empty(length, dtype=np.int64)
@@ -243,10 +259,18 @@ class PreparedCorpus:
             offset = start + filled - int(self.starts[index])
             take = min(length - filled, self.shards[index].tokens - offset)
             if take > 0:
-                out[filled : filled + take] = self._map(index)[offset : offset + take]
+                out[filled : filled + take] = self._read_shard(index, offset, take)
                 filled += take
             index += 1
         return out
+
+    def close(self) -> None:
+        for descriptor in self._descriptors.values():
+            os.close(descriptor)
+        self._descriptors.clear()
+
+    def __del__(self) -> None:
+        self.close()
 
     def document_index(self, index: int) -> tuple[np.ndarray, np.ndarray]:
         """(offsets [documents + 1], hashes [documents]) of shard ``index``, memory-mapped."""
