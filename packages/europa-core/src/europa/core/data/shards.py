@@ -265,9 +265,9 @@ class PreparedCorpus:
         return out
 
     def close(self) -> None:
-        for descriptor in self._descriptors.values():
+        for descriptor in getattr(self, "_descriptors", {}).values():
             os.close(descriptor)
-        self._descriptors.clear()
+        getattr(self, "_descriptors", {}).clear()
 
     def __del__(self) -> None:
         self.close()
