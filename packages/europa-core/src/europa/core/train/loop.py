@@ -25,13 +25,14 @@ from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
-from europa.core.train.batches import build_batches
+from europa.core.train.batches import open_rank_batches
 from europa.core.train.distributed import (
     ProcessPlace,
     data_parallel_coordinates,
     init_distributed,
     shutdown,
 )
+from europa.core.train.evaluate import validation_metrics
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -87,7 +88,8 @@ class Trainer:
         job.optimizer = built
         hook.europa_wrap_optimizer(job=job)
         self.optimizer = job.optimizer
-        self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
+        dp_rank, dp_world = data_parallel_coordinates(job.mesh)
+        self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
 
@@ -179,6 +181,18 @@ class Trainer:
             "expert_load": load.shares,
         }
 
+    # -- validation -----------------------------------------------------------------------
+
+    def _evaluates_after(self, done: int) -> bool:
+        every = self.job.config.metrics.eval_every
+        if self.batches.validation is None:
+            return False
+        return done == self.job.config.training.steps or (every > 0 and done % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """val_loss and val_perplexity over the validation sequences, on every rank."""
+        return validation_metrics(self.model, self.batches.validation, self.job.device)
+
     # -- the run --------------------------------------------------------------------------
 
     def _write_job_file(self) -> None:
@@ -209,6 +223,7 @@ class Trainer:
             job.emit_metrics = sink
             self._write_job_file()
         first_loss = last_loss = None
+        validation: dict[str, float] = {}
         began = time.perf_counter()
         done = saved_at = start
         stopped_by = None
@@ -220,7 +235,11 @@ class Trainer:
                 first_loss = record["loss"] if first_loss is None else first_loss
                 last_loss = record["loss"]
                 stopping = stop.agreed(job.device)
-                if stopping or done % cfg.metrics.log_every == 0 or done == cfg.training.steps:
+                if self._evaluates_after(done) and not stopping:
+                    validation = self.evaluate()
+                    record.update(validation)
+                logged = done % cfg.metrics.log_every == 0 or done == cfg.training.steps
+                if stopping or logged or "val_loss" in record:
                     job.emit_metrics(record)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save(done)
@@ -237,6 +256,8 @@ class Trainer:
             "resumed_from": start if self.resume else None,
             "first_loss": first_loss,
             "final_loss": last_loss,
+            "val_loss": validation.get("val_loss"),
+            "val_perplexity": validation.get("val_perplexity"),
             "seconds": time.perf_counter() - began,
             "parameters": self.counts.as_dict(),
             "world_size": job.world_size,

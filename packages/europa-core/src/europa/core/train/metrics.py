@@ -42,6 +42,7 @@ class MetricsSink:
         self._tensorboard = (
             TensorBoardWriter(run_dir, start_step=start_step) if tensorboard else None
         )
+        self._val_loss = ""  # the latest, shown until the next evaluation
         self._bar = (
             tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
             if progress
@@ -53,8 +54,12 @@ class MetricsSink:
         if self._tensorboard is not None:
             self._tensorboard.write(record)
         if self._bar is not None and "loss" in record:
+            if "val_loss" in record:
+                self._val_loss = f"{record['val_loss']:.4f}"
+            shown = {"val_loss": self._val_loss} if self._val_loss else {}
             self._bar.set_postfix(
                 loss=f"{record['loss']:.4f}",
+                **shown,
                 lr=f"{record['lr']:.2e}",
                 tok_s=f"{record['tokens_per_s']:.0f}",
                 imbalance=f"{record['expert_imbalance_max']:.2f}",
