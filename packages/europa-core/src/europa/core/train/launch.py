@@ -57,8 +57,6 @@ def preflight(
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
-    if run_dir is not None:  # text is prepared here, once, into the run directory's cache
-        build_batches(config, dp_rank=0, dp_world=world_size, run_dir=run_dir)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
@@ -67,6 +65,9 @@ def preflight(
         from europa.core.model import model_spec
 
         open_initialiser(model, model_spec(config.model), config.model)  # checks, reads headers
+    # Last, because it writes: text is prepared here, once, into the run directory's cache.
+    if run_dir is not None:
+        build_batches(config, dp_rank=0, dp_world=world_size, run_dir=run_dir)
 
 
 def train(
