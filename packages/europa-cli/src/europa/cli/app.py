@@ -1,4 +1,4 @@
-"""``europa``: train, plan, plugins, config. Every bad input ends in one line on stderr
+"""``europa``: train, plan, plugins, config, data. Every bad input ends in one line on stderr
 and exit code 2, never a traceback."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import sys
 
 import typer
 
-from europa.cli import config_cmd, plan_cmd, plugins_cmd, train_cmd
+from europa.cli import config_cmd, data_cmd, hf_cmd, plan_cmd, plugins_cmd, train_cmd
 from europa.core.errors import WorkerFailed, is_user_error, one_line
 from europa.core.plugins import EuropaPluginManager
 
@@ -25,7 +25,9 @@ def build_app(manager: EuropaPluginManager) -> typer.Typer:
     train_cmd.register(app, manager)
     plan_cmd.register(app, manager)
     plugins_cmd.register(app, manager)
-    config_cmd.register(app, manager)
+    config_app = config_cmd.register(app, manager)
+    hf_cmd.register(app, manager, config_app)
+    data_cmd.register(app, manager)
     manager.all_hooks.europa_register_commands(app=app)  # every installed plugin, enabled or not
     return app
 

@@ -10,7 +10,7 @@ from europa.core.plugins import EuropaPluginManager
 from europa.core.session import open_session
 
 
-def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
+def register(app: typer.Typer, manager: EuropaPluginManager) -> typer.Typer:
     config_app = typer.Typer(help="Inspect configuration.")
     app.add_typer(config_app, name="config")
 
@@ -21,3 +21,5 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         """Print the resolved config: preset ← file ← --set, checked."""
         resolved, _ = open_session(config, set_ or [], plugin or [], manager)
         print(config_to_toml(resolved), end="")
+
+    return config_app

@@ -123,6 +123,12 @@ def europa_init_parameters(
     numbers for every layout and world size; call it for each matrix this rank
     holds. Return True. Core's default handles plain and DTensor parameters;
     buffers are core's and are filled afterwards.
+
+    ``init_matrix`` may also have ``fill_region(name, index, out, region)``,
+    filling ``out`` with ``region`` (a tuple of slices) of that matrix: a
+    layout holding only part of a matrix should call it when present. With
+    ``model.init_from = "hf:DIR"`` the initialiser reads the checkpoint, so a
+    layout that asks for just what it holds reads just that from disk.
     """
 
 
@@ -223,7 +229,8 @@ def europa_plan(job: Job, plan: dict[str, Any]) -> None:
     * ``host_offload``: what moves to host memory (``europa.core.plan.memory.HostOffload``);
     * ``overlapped_kinds``: the communication kinds this plugin runs beside compute.
 
-    Any other key a plugin adds (its own name, by convention) is reported as is."""
+    Any other key a plugin adds (its own name, by convention) is reported as is.
+    ``europa import-hf`` reads the same layout for the bytes each rank would read."""
 
 
 # --------------------------------------------------------------------------------------

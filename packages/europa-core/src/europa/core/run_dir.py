@@ -1,10 +1,13 @@
 """The run directory: what it holds, where it goes, and how it is created.
 
 Layout: ``config.toml`` (the resolved config), ``metrics.jsonl`` (one record per
-step), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints; ``.partial``
-folders are never loaded), ``summary.json`` and ``worker-errors/rank-N.txt``
-(a worker's one-line error, read by the launcher). The names import nothing
-heavy, so the CLI can use them without torch.
+step), ``job.json`` (world size, mesh, device and parameter counts, written when
+training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
+``.partial`` folders are never loaded), ``summary.json``, ``tensorboard/``
+(event files, when ``[metrics] tensorboard = true``), ``worker-errors/rank-N.txt``
+(a worker's one-line error, read by the launcher) and ``cache/`` (text prepared
+for training, written before the run starts). The names import nothing heavy,
+so the CLI can use them without torch.
 """
 
 from __future__ import annotations
@@ -22,8 +25,11 @@ if TYPE_CHECKING:
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
+JOB_FILE = "job.json"
+TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS = "checkpoints"
 WORKER_ERRORS = "worker-errors"
+CACHE = "cache"  # derived data, e.g. text prepared for training (europa.core.data.corpora)
 RUNS_ROOT = Path("runs")
 
 
@@ -40,18 +46,24 @@ def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None)
     return RUNS_ROOT / f"{config.run.name}-{job_id}"
 
 
-def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
-    """Create (or, on resume, check) the run directory and write the resolved config."""
-    from europa.core.config import config_to_toml
+def check_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
+    """A new or empty directory (its data cache aside), or on resume one with a checkpoint."""
     from europa.core.train.checkpoint import checkpoint_to_resume  # torch: only when training
 
     if resume:
         checkpoint_to_resume(run_dir, config.training.steps)
-    elif run_dir.exists() and any(run_dir.iterdir()):
+    elif run_dir.exists() and any(path.name != CACHE for path in run_dir.iterdir()):
         raise ConfigError(
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
             "directory, or --resume to continue it"
         )
+
+
+def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
+    """Create (or, on resume, check) the run directory and write the resolved config."""
+    from europa.core.config import config_to_toml
+
+    check_run_dir(config, run_dir, resume=resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     staged = run_dir / f".{CONFIG_FILE}.partial"
     staged.write_text(config_to_toml(config))

@@ -16,11 +16,21 @@ Plain API (needs only torch):
 ``europa.flexshard.plugin`` adapts these to europa's hooks (``europa train -p flexshard``).
 """
 
-from europa.flexshard.errors import FlexShardError, PlanError
-from europa.flexshard.layout import FlexShardLayout, default_units, flex_shard
-from europa.flexshard.optimizer import FlexShardOptimizer, orthogonalise
-from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
-from europa.flexshard.state import FlexShardState
+# The names load on first use (PEP 562), so that importing the plugin module,
+# which every ``europa`` command does, does not import torch.
+_WHERE = {
+    "FlexShardError": "europa.flexshard.errors",
+    "FlexShardLayout": "europa.flexshard.layout",
+    "FlexShardOptimizer": "europa.flexshard.optimizer",
+    "FlexShardState": "europa.flexshard.state",
+    "OwnershipPlan": "europa.flexshard.plan",
+    "ParameterSpec": "europa.flexshard.plan",
+    "PlanError": "europa.flexshard.errors",
+    "default_units": "europa.flexshard.layout",
+    "flex_shard": "europa.flexshard.layout",
+    "orthogonalise": "europa.flexshard.optimizer",
+    "plan_ownership": "europa.flexshard.plan",
+}
 
 __all__ = [
     "FlexShardError",
@@ -35,3 +45,13 @@ __all__ = [
     "orthogonalise",
     "plan_ownership",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

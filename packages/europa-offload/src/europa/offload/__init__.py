@@ -13,15 +13,18 @@ Plain API (needs only torch):
 ``europa.offload.plugin`` adapts these to europa's hooks (``europa train -p offload``).
 """
 
-from europa.offload.activations import (
-    ActivationOffload,
-    OffloadPolicy,
-    OffloadStats,
-    offload_activations,
-)
-from europa.offload.errors import HostMemoryExceeded, OffloadError
-from europa.offload.optimizer import OffloadedOptimizer
-from europa.offload.pool import HostBufferPool
+# The names load on first use (PEP 562), so that importing the plugin module,
+# which every ``europa`` command does, does not import torch.
+_WHERE = {
+    "ActivationOffload": "europa.offload.activations",
+    "HostBufferPool": "europa.offload.pool",
+    "HostMemoryExceeded": "europa.offload.errors",
+    "OffloadError": "europa.offload.errors",
+    "OffloadPolicy": "europa.offload.activations",
+    "OffloadStats": "europa.offload.activations",
+    "OffloadedOptimizer": "europa.offload.optimizer",
+    "offload_activations": "europa.offload.activations",
+}
 
 __all__ = [
     "ActivationOffload",
@@ -33,3 +36,13 @@ __all__ = [
     "OffloadedOptimizer",
     "offload_activations",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value

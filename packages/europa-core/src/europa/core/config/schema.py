@@ -48,6 +48,12 @@ class ModelConfig:
     rope_factor: float = setting(1.0, ge=1, doc="YaRN context extension factor; 1 disables it")
     rope_original_seq_len: int = setting(4096, gt=0)
     mscale: float = setting(1.0, gt=0, doc="YaRN attention-scale multiplier")
+    rope_beta_fast: float = setting(32.0, gt=0, doc="YaRN extrapolation boundary (rotations)")
+    rope_beta_slow: float = setting(1.0, gt=0, doc="YaRN interpolation boundary (rotations)")
+    norm_eps: float = setting(1e-5, gt=0, doc="epsilon of every RMSNorm")
+    init_from: str = setting(
+        "", doc='"hf:DIR": start from a Hugging Face DeepSeek-V3 checkpoint; empty: random init'
+    )
 
 
 @dataclass(kw_only=True)
@@ -93,9 +99,23 @@ class ParallelConfig:
 
 @dataclass(kw_only=True)
 class DataConfig:
-    path: str = setting("", doc="a .txt/.jsonl file or a folder of them; empty: embedded corpus")
-    tokenizer: str = setting("", doc="a tokenizers JSON file; empty: embedded tokenizer")
+    path: str = setting(
+        "",
+        doc="a directory made by `europa data prepare`, or .txt/.jsonl/.jsonl.gz/.parquet "
+        "files or a folder of them (prepared into the run directory's cache); empty: embedded "
+        "corpus",
+    )
+    tokenizer: str = setting(
+        "", doc="a tokenizers JSON file; empty: a prepared corpus's own, else the embedded one"
+    )
+    text_field: str = setting("text", doc="the field holding the text in .jsonl and .parquet")
     seed: int = setting(0, ge=0, le=MAX_SEED, doc="shuffling seed")
+    validation_path: str = setting(
+        "", doc="held-out text or prepared corpus for val_loss, like data.path; empty: none"
+    )
+    validation_fraction: float = setting(
+        0.0, ge=0, le=0.5, doc="share of data.path's documents held out by a stable text hash"
+    )
 
 
 @dataclass(kw_only=True)
@@ -108,6 +128,15 @@ class CheckpointConfig:
 class MetricsConfig:
     log_every: int = setting(1, gt=0)
     progress: bool = setting(True, doc="progress bar on rank 0")
+    tensorboard: bool = setting(
+        False, doc="also write TensorBoard event files under the run directory's tensorboard/"
+    )
+    eval_every: int = setting(
+        0, ge=0, doc="val_loss every N steps (and at the end) when data has a validation set"
+    )
+    eval_sequences: int = setting(
+        64, gt=0, doc="validation sequences per evaluation: the first N of the held-out stream"
+    )
 
 
 @dataclass(kw_only=True)

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
 from europa.core.data.documents import DataError
+from europa.core.data.permutation import permute
 from europa.core.data.tokenizer import EOS_TOKEN
 from europa.core.seeds import MAX_SEED
 
 _ENCODE_CHUNK = 1024  # documents per encode_batch call, to bound the memory of Encoding objects
+
+
+class Sequences(Protocol):
+    """What RankBatches reads: packed windows of seq_len + 1 tokens, in memory or memory-mapped."""
+
+    seq_len: int
+
+    @property
+    def num_sequences(self) -> int: ...
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """[len(indices), seq_len + 1] int64: the windows at these indices."""
+        ...
 
 
 class PackedSequences:
@@ -66,6 +82,9 @@ class PackedSequences:
     def __len__(self) -> int:
         return self.num_sequences
 
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        return self.windows[indices]
+
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not -self.num_sequences <= index < self.num_sequences:
             raise IndexError(f"sequence {index} out of range for {self.num_sequences} sequences")
@@ -78,8 +97,9 @@ class RankBatches:
     is a pure function of (seed, step, micro, dp_rank, dp_world). Resume therefore needs only the
     step counter.
 
-    The sequence indices form an endless stream of epochs; epoch e is
-    torch.randperm(num_sequences) drawn from a CPU generator seeded with seed + e. Micro-batch
+    The sequence indices form an endless stream of epochs; epoch e is the order
+    ``permutation.permute(·, num_sequences, seed, e)``, computed only at the positions a batch
+    needs, so no rank ever holds a whole epoch's order (see ``permutation``). Micro-batch
     g = step * grad_accum_steps + micro takes the stream positions [g * G, (g + 1) * G), where
     G = batch_size * dp_world, and rank r takes [r * batch_size, (r + 1) * batch_size) of those.
     Every sequence is therefore used once per epoch, and no two ranks or micro-batches share a
@@ -89,7 +109,7 @@ class RankBatches:
 
     def __init__(
         self,
-        sequences: PackedSequences,
+        sequences: Sequences,
         *,
         batch_size: int,
         dp_rank: int,
@@ -117,13 +137,11 @@ class RankBatches:
         self.dp_world = dp_world
         self.grad_accum_steps = grad_accum_steps
         self.seed = seed
-        # Only a cache: each epoch's order is a pure function of (seed, epoch).
-        self._epoch_orders: dict[int, torch.Tensor] = {}
 
     def batch(self, step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, labels) of this rank for micro-batch `micro` of `step`, each [batch_size,
         seq_len] int64."""
-        rows = self.sequences.windows[self.sequence_indices(step, micro)]
+        rows = self.sequences.rows(self.sequence_indices(step, micro))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def sequence_indices(self, step: int, micro: int = 0) -> torch.Tensor:
@@ -135,25 +153,15 @@ class RankBatches:
         )
         micro_batch = step * self.grad_accum_steps + micro
         start = (micro_batch * self.dp_world + self.dp_rank) * self.batch_size
-        positions = torch.arange(start, start + self.batch_size)
+        positions = np.arange(start, start + self.batch_size, dtype=np.int64)
         count = self.sequences.num_sequences
         epochs, offsets = positions // count, positions % count
-        indices = torch.empty(self.batch_size, dtype=torch.int64)
+        indices = np.empty(self.batch_size, dtype=np.int64)
         # batch_size <= num_sequences, so at most two epochs are involved.
-        for epoch in epochs.unique().tolist():
+        for epoch in np.unique(epochs).tolist():
             in_epoch = epochs == epoch
-            indices[in_epoch] = self._epoch_order(epoch)[offsets[in_epoch]]
-        return indices
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        order = self._epoch_orders.get(epoch)
-        if order is None:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            order = torch.randperm(self.sequences.num_sequences, generator=generator)
-            if len(self._epoch_orders) >= 2:
-                self._epoch_orders.pop(next(iter(self._epoch_orders)))
-            self._epoch_orders[epoch] = order
-        return order
+            indices[in_epoch] = permute(offsets[in_epoch], count, self.seed, epoch)
+        return torch.from_numpy(indices)
 
 
 def _token_stream(documents: Sequence[str], tokenizer: Tokenizer, eos_id: int) -> torch.Tensor:

@@ -29,8 +29,8 @@ def _rope(m: ModelConfig) -> ComplexRoPE.Config:
         theta=m.rope_theta,
         scaling="yarn" if yarn else "none",
         rope_factor=m.rope_factor,
-        beta_fast=32.0,
-        beta_slow=1.0,
+        beta_fast=m.rope_beta_fast,
+        beta_slow=m.rope_beta_slow,
         original_seq_len=m.rope_original_seq_len,
     )
 
@@ -70,6 +70,10 @@ def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeek
     )
     for layer in layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.kv_norm):
+            norm.eps = m.norm_eps
+        if layer.attention.q_norm is not None:
+            layer.attention.q_norm.eps = m.norm_eps
         if layer.moe is None:
             continue
         layer.moe.load_balance_coeff = m.load_balance_coeff or None
@@ -86,7 +90,7 @@ def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeek
         tok_embeddings=Embedding.Config(
             num_embeddings=m.vocab_size, embedding_dim=m.dim, param_init=init.EMBEDDING_INIT
         ),
-        norm=RMSNorm.Config(normalized_shape=m.dim, param_init=init.NORM_INIT),
+        norm=RMSNorm.Config(normalized_shape=m.dim, eps=m.norm_eps, param_init=init.NORM_INIT),
         lm_head=Linear.Config(
             in_features=m.dim, out_features=m.vocab_size, param_init=init.output_linear_init(m.dim)
         ),

@@ -142,15 +142,22 @@ def _init_dtensor(name: str, param: DTensor, init_matrix: InitMatrix) -> None:
         param.shape, param.device_mesh, param.placements
     )
     rows = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
+    # A checkpoint source reads only this shard's rows (see init_parameters).
+    fill_region = getattr(init_matrix, "fill_region", None)
     if param.ndim == 3:
         whole = tuple(shape[1:]) == tuple(param.shape[1:])
         for j in range(shape[0]):
             if whole:
                 init_matrix(name, offset[0] + j, local[j])
-                continue
-            full = torch.empty(param.shape[1:], dtype=local.dtype, device=local.device)
-            init_matrix(name, offset[0] + j, full)
-            local[j].copy_(full[rows[1:]])
+            elif fill_region is not None:
+                fill_region(name, offset[0] + j, local[j], rows[1:])
+            else:
+                full = torch.empty(param.shape[1:], dtype=local.dtype, device=local.device)
+                init_matrix(name, offset[0] + j, full)
+                local[j].copy_(full[rows[1:]])
+        return
+    if fill_region is not None:
+        fill_region(name, 0, local, rows)
         return
     full = torch.empty(param.shape, dtype=local.dtype, device=local.device)
     init_matrix(name, 0, full)
@@ -160,7 +167,10 @@ def _init_dtensor(name: str, param: DTensor, init_matrix: InitMatrix) -> None:
 @torch.no_grad()
 def init_parameters(model: nn.Module, device: torch.device, init_matrix: InitMatrix) -> None:
     """Core's layouts: allocate plain and DTensor (FSDP2/HSDP) parameters on
-    ``device`` and fill the matrices this rank holds."""
+    ``device`` and fill the matrices this rank holds. For a row shard of a
+    matrix, ``init_matrix.fill_region(name, index, out, region)`` is used when
+    the initialiser has it (a checkpoint reader: only the region is read);
+    otherwise the matrix is drawn whole and its rows kept."""
     model.to_empty(device=device)
     for name, param in model.named_parameters():
         if isinstance(param, DTensor):

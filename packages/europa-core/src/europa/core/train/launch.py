@@ -19,6 +19,7 @@ from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     SUMMARY_FILE,
     WORKER_ERRORS,
+    check_run_dir,
     default_run_dir,
     prepare_run_dir,
     worker_error_file,
@@ -39,8 +40,12 @@ def preflight(
     plugins: EuropaPluginManager,
     world_size: int,
     resume_from: Path | None = None,
+    run_dir: Path | None = None,
 ) -> None:
-    """Fail in the launching process, with one line, on anything a worker would hit later."""
+    """Fail in the launching process, with one line, on anything a worker would hit later.
+
+    With ``run_dir``, also open the data as the workers will, preparing text into the run
+    directory's cache (a directory holding only that cache still counts as new)."""
     import torch
 
     mesh_shape(config.parallel, world_size)
@@ -52,10 +57,17 @@ def preflight(
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
-    build_batches(config, dp_rank=0, dp_world=world_size)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
+    elif config.model.init_from:
+        from europa.core.hf.load import open_initialiser
+        from europa.core.model import model_spec
+
+        open_initialiser(model, model_spec(config.model), config.model)  # checks, reads headers
+    # Last, because it writes: text is prepared here, once, into the run directory's cache.
+    if run_dir is not None:
+        build_batches(config, dp_rank=0, dp_world=world_size, run_dir=run_dir)
 
 
 def train(
@@ -79,7 +91,8 @@ def train(
     if world < 1:
         raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
     run_dir = run_dir or default_run_dir(config)
-    preflight(config, plugins, world, resume_from=run_dir if resume else None)
+    check_run_dir(config, run_dir, resume=resume)  # before preflight writes its data cache there
+    preflight(config, plugins, world, resume_from=run_dir if resume else None, run_dir=run_dir)
     prepare_run_dir(config, run_dir, resume=resume)
     if world == 1:
         from europa.core.train.loop import run_training

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
 import time
 import warnings
@@ -17,19 +18,21 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from europa.core.config.schema import EuropaConfig
+from europa.core.hf.load import HFInitialiser, load_buffers, open_initialiser
 from europa.core.job import Job
-from europa.core.model import count_parameters, update_expert_bias
+from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import SUMMARY_FILE
+from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
 from europa.core.train import checkpoint, metrics
-from europa.core.train.batches import build_batches
+from europa.core.train.batches import open_rank_batches
 from europa.core.train.distributed import (
     ProcessPlace,
     data_parallel_coordinates,
     init_distributed,
     shutdown,
 )
+from europa.core.train.evaluate import validation_metrics
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -43,6 +46,20 @@ def _mean_over_ranks(value: torch.Tensor) -> float:
     return value.item()
 
 
+def _peak_memory_bytes(device: torch.device) -> int:
+    """The largest over ranks of this step's peak device memory (CUDA), or of the
+    process's peak resident memory so far (CPU, where host memory is the limit)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    value = torch.tensor(float(peak), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return int(value.item())
+
+
 class Trainer:
     def __init__(self, job: Job, plugins: EuropaPluginManager, resume: bool) -> None:
         self.job = job
@@ -54,11 +71,15 @@ class Trainer:
         self.counts = count_parameters(model)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model)
-        init_matrix = MatrixInitialiser(model, cfg.run.seed)  # full shapes: before sharding
+        init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = hook.europa_shard_model(job=job, model=model)
         hook.europa_wrap_model(job=job, model=model)
         hook.europa_init_parameters(job=job, model=model, init_matrix=init_matrix)
         init_buffers(model, job.device)
+        self.imported_bytes = None  # bytes this rank read from model.init_from
+        if isinstance(init_matrix, HFInitialiser):
+            load_buffers(model, init_matrix)
+            self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
         built = hook.europa_build_optimizer(job=job, model=model)
@@ -67,9 +88,18 @@ class Trainer:
         job.optimizer = built
         hook.europa_wrap_optimizer(job=job)
         self.optimizer = job.optimizer
-        self.batches = build_batches(cfg, *data_parallel_coordinates(job.mesh))
+        dp_rank, dp_world = data_parallel_coordinates(job.mesh)
+        self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
+
+    def _initialiser(self, model: torch.nn.Module):
+        """Random (from the run seed), or the checkpoint of ``model.init_from`` on a fresh
+        start; a resumed run is about to be overwritten by its own checkpoint."""
+        cfg = self.job.config
+        if cfg.model.init_from and not self.resume:
+            return open_initialiser(model, model_spec(cfg.model), cfg.model)
+        return MatrixInitialiser(model, cfg.run.seed)
 
     def describe(self) -> str:
         job, counts = self.job, self.counts
@@ -142,14 +172,41 @@ class Trainer:
             "loss": _mean_over_ranks(loss),
             "lr": lr,
             "grad_norm": grad_norm,
+            "tokens_seen": self.batches.tokens_per_step * (step + 1),
             "tokens_per_s": self.batches.tokens_per_step / elapsed,
             "step_time_s": elapsed,
+            "memory_peak_bytes": _peak_memory_bytes(self.job.device),
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
         }
 
+    # -- validation -----------------------------------------------------------------------
+
+    def _evaluates_after(self, done: int) -> bool:
+        every = self.job.config.metrics.eval_every
+        if self.batches.validation is None:
+            return False
+        return done == self.job.config.training.steps or (every > 0 and done % every == 0)
+
+    def evaluate(self) -> dict[str, float]:
+        """val_loss and val_perplexity over the validation sequences, on every rank."""
+        return validation_metrics(self.model, self.batches.validation, self.job.device)
+
     # -- the run --------------------------------------------------------------------------
+
+    def _write_job_file(self) -> None:
+        """What a report of a run still going needs and the config does not say."""
+        job = self.job
+        info = {
+            "world_size": job.world_size,
+            "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)),
+            "device": job.device.type,
+            "parameters": self.counts.as_dict(),
+        }
+        staged = job.run_dir / f".{JOB_FILE}.partial"
+        staged.write_text(json.dumps(info, indent=2) + "\n")
+        staged.replace(job.run_dir / JOB_FILE)
 
     def run(self) -> dict[str, Any]:
         job, cfg = self.job, self.job.config
@@ -161,9 +218,12 @@ class Trainer:
                 total_steps=cfg.training.steps,
                 start_step=start,
                 progress=cfg.metrics.progress,
+                tensorboard=cfg.metrics.tensorboard,
             )
             job.emit_metrics = sink
+            self._write_job_file()
         first_loss = last_loss = None
+        validation: dict[str, float] = {}
         began = time.perf_counter()
         done = saved_at = start
         stopped_by = None
@@ -175,7 +235,11 @@ class Trainer:
                 first_loss = record["loss"] if first_loss is None else first_loss
                 last_loss = record["loss"]
                 stopping = stop.agreed(job.device)
-                if stopping or done % cfg.metrics.log_every == 0 or done == cfg.training.steps:
+                if self._evaluates_after(done) and not stopping:
+                    validation = self.evaluate()
+                    record.update(validation)
+                logged = done % cfg.metrics.log_every == 0 or done == cfg.training.steps
+                if stopping or logged or "val_loss" in record:
                     job.emit_metrics(record)
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
                     self.save(done)
@@ -192,6 +256,8 @@ class Trainer:
             "resumed_from": start if self.resume else None,
             "first_loss": first_loss,
             "final_loss": last_loss,
+            "val_loss": validation.get("val_loss"),
+            "val_perplexity": validation.get("val_perplexity"),
             "seconds": time.perf_counter() - began,
             "parameters": self.counts.as_dict(),
             "world_size": job.world_size,
