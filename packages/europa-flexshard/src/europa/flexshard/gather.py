@@ -18,6 +18,16 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   to their owners (averaged over the data-parallel ranks, all-reduced over
   replicas when the mesh has them), the shadows go and the storage is freed.
 
+Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
+names units whose all-gather this unit issues asynchronously right after its
+own, in forward (the next blocks) and in backward (the previous ones, if they
+resharded), so it travels while this unit computes; ``reshard_after_forward =
+False`` keeps a unit's full storage from forward to backward (no second
+gather); ``reduce_scatter_async = True`` issues the gradient reduce-scatter
+asynchronously, returns no gradient to autograd, and adds this rank's share to
+``.grad`` (set, or added in place, as autograd does) in a callback at the end
+of the backward, so the earlier blocks' backward runs beside it.
+
 Why our own collective rather than FSDP2's: FSDP2 stores ``Shard(dim)`` pieces
 with every rank holding part of every tensor; it can express whole matrices on
 one rank only for stacked experts whose count divides the group, and never for
@@ -37,9 +47,20 @@ from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.segments import UnitSegments
 
+
 # torch 2.13 renamed the single-tensor collectives; earlier releases know the old names.
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
+# timeline) sees these collectives too.
+def all_gather(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
+        *args, **kwargs
+    )
+
+
+def reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
+        *args, **kwargs
+    )
 
 
 @dataclass
@@ -88,6 +109,15 @@ class GatherUnit:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.fulls: list[torch.Tensor] | None = None
+        # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
+        self.reshard_after_forward = True
+        # True: the gradient reduce-scatter is issued asynchronously and waited for at the
+        # end of the backward (the rest of the backward runs beside it).
+        self.reduce_scatter_async = False
+        self.forward_prefetch: list[GatherUnit] = []
+        self.backward_prefetch: list[GatherUnit] = []
+        self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
+        self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -103,8 +133,14 @@ class GatherUnit:
         return self.param_dtype or self.slots[0].local.dtype
 
     def all_gather(self) -> list[torch.Tensor]:
-        """Every parameter of the unit in full, as new tensors in the compute dtype."""
+        """Every parameter of the unit in full, as new tensors in the compute dtype
+        (from the prefetched all-gather when one is in flight)."""
         g, segments = self.groups, self.segments
+        if self._pending is not None:
+            rows, _, work = self._pending
+            self._pending = None
+            work.wait()
+            return segments.unpack(rows.view(g.size, segments.width))
         locals_ = [slot.local.detach() for slot in self.slots]
         send = segments.pack(g.rank, locals_, self._compute_dtype())
         if g.size == 1:
@@ -113,25 +149,78 @@ class GatherUnit:
         all_gather(rows, send, group=g.shard)
         return segments.unpack(rows.view(g.size, segments.width))
 
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def set_prefetch(
+        self, forward: Sequence[GatherUnit] = (), backward: Sequence[GatherUnit] = ()
+    ) -> None:
+        """When this unit gathers for its forward, also issue ``forward``'s all-gathers;
+        when it gathers for its backward, ``backward``'s (those that resharded after
+        forward). They run asynchronously; each unit waits for its own when it needs it.
+        Every rank must set the same schedule (the all-gathers are collectives)."""
+        self.forward_prefetch = list(forward)
+        self.backward_prefetch = list(backward)
+
+    def prefetch(self) -> None:
+        """Issue this unit's all-gather now, asynchronously (no-op if one is in flight).
+        It packs the local parameters as they are now: call it only when they will not
+        change before the unit runs (not across an optimizer step)."""
+        g = self.groups
+        if self._pending is not None or g.size == 1:
+            return
+        locals_ = [slot.local.detach() for slot in self.slots]
+        send = self.segments.pack(g.rank, locals_, self._compute_dtype())
+        rows = send.new_empty(g.size * self.segments.width)
+        work = all_gather(rows, send, group=g.shard, async_op=True)
+        self._pending = (rows, send, work)
+
+    def cancel_prefetch(self) -> None:
+        """Wait for and drop an all-gather issued but never used (e.g. at the end of a step)."""
+        if self._pending is not None:
+            self._pending[2].wait()
+            self._pending = None
+
     def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """This rank's averaged share of the full gradients, one per local parameter."""
+        return self._finish_reduce_scatter(*self._issue_reduce_scatter(grads, async_op=False))
+
+    def _issue_reduce_scatter(self, grads: Sequence[torch.Tensor | None], async_op: bool):
         g, segments = self.groups, self.segments
         dtype = self.reduce_dtype or self.slots[0].local.dtype
         device = self.slots[0].local.device
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
-            mine = rows[0]
-        else:
-            mine = rows.new_empty(segments.width)
-            reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard)
+            return rows, rows[0], None
+        mine = rows.new_empty(segments.width)
+        work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
+                              async_op=async_op)  # fmt: skip
+        return rows, mine, work
+
+    def _finish_reduce_scatter(self, rows, mine, work) -> list[torch.Tensor]:
+        g = self.groups
+        if work is not None:
+            work.wait()
         if g.replicas > 1:
             dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=g.replicate)
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
         return [
             piece.to(slot.local.dtype, copy=True)
-            for piece, slot in zip(segments.split(g.rank, mine), self.slots, strict=True)
+            for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
         ]
+
+    def _accumulate(self, rows, mine, work) -> None:
+        """End of backward: this unit's asynchronous reduce-scatter is waited for and its
+        share added to ``.grad`` as autograd would (set, or added in place)."""
+        for slot, grad in zip(self.slots, self._finish_reduce_scatter(rows, mine, work),
+                              strict=True):  # fmt: skip
+            local = slot.local
+            if not local.requires_grad:
+                continue
+            if local.grad is None:
+                local.grad = grad
+            else:
+                local.grad += grad
 
     # -- shadows and storage ----------------------------------------------------------------
 
@@ -164,6 +253,9 @@ class GatherUnit:
         for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
             full.europa_gathered_parameter = True
         self._shadow(self.fulls)
+        if torch._C._current_graph_task_id() == -1:  # not a forward recomputed in backward
+            for unit in self.forward_prefetch:
+                unit.prefetch()
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         self._unshadow()
@@ -171,17 +263,31 @@ class GatherUnit:
         if not needs_grad or not any(f.requires_grad for f in self.fulls):
             self.fulls = None
             return
-        self._free()
+        self._resharded = self.reshard_after_forward
+        if self._resharded:
+            self._free()
         torch.autograd.graph.register_multi_grad_hook(needs_grad, self._pre_backward, mode="any")
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.fulls is None:  # a second backward through the same graph
             return
-        self._refill()
+        if self._resharded:
+            self._refill()
+            self._resharded = False
         self._shadow(self.fulls)
+        for unit in self.backward_prefetch:
+            if unit._resharded:
+                unit.prefetch()
 
-    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        local_grads = self.reduce_scatter(grads)
+    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        if self.reduce_scatter_async and self.groups.size > 1:
+            pending = self._issue_reduce_scatter(grads, async_op=True)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._accumulate(*pending)
+            )
+            local_grads = [None] * len(self.slots)  # added to .grad when the backward ends
+        else:
+            local_grads = self.reduce_scatter(grads)
         self._unshadow()
         self._free()
         self.fulls = None

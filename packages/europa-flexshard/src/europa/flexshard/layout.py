@@ -108,6 +108,14 @@ class FlexShardLayout:
         slot = self.slots[name]
         return range(slot.start, slot.stop)
 
+    # -- prefetch ---------------------------------------------------------------------------
+
+    def cancel_prefetch(self) -> None:
+        """Wait for and drop every prefetched all-gather not used yet (see
+        ``GatherUnit.set_prefetch``); call it before parameters change (the optimizer step)."""
+        for unit in self.units:
+            unit.cancel_prefetch()
+
     # -- materialising ----------------------------------------------------------------------
 
     @torch.no_grad()

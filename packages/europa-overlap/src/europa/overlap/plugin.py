@@ -1,0 +1,214 @@
+"""``europa train -p overlap``: europa's hooks over this package's plain API.
+
+Imports only pluggy and the standard library at module level (torch when a
+hook runs); ``job`` is used by duck typing: ``job.config`` (its ``overlap``
+table), ``job.rank``, ``job.run_dir``, ``job.state``. It composes with the
+layout that won ``europa_shard_model`` without importing it:
+
+* europa-flexshard: ``job.state["flexshard"]`` is its layout; its ``units``
+  (``GatherUnit``) take a prefetch schedule through ``set_prefetch`` and its
+  ``cancel_prefetch()`` drops an unused one; expert-parallel MoE layers (a
+  dispatcher with ``group``, ``rank``, ``ranges``, ``top_k``) get the chunked,
+  asynchronous all-to-all;
+* core's FSDP2: the blocks of ``model.layers`` are FSDP modules
+  (``set_modules_to_forward_prefetch`` and friends);
+* europa-offload: its copies already run on a side stream ordered by events on
+  CUDA (nothing to add; on a CPU-only machine there is no stream and a copy is
+  a plain ``memcpy`` on the training thread).
+
+``job.state["overlap"]`` holds an ``OverlapRun``: the ``Timeline`` (when
+``overlap.timeline``), the layers whose all-to-all is overlapped, and the
+prefetching layout. Each step adds ``overlap_*`` keys to ``metrics.jsonl``
+(the mean over ranks) and, for the first ``overlap.trace_steps`` steps after the
+first, writes each rank's intervals to ``RUN_DIR/overlap/timeline-rank<r>.jsonl``,
+which ``europa trace RUN_DIR`` draws.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pluggy
+
+hookimpl = pluggy.HookimplMarker("europa")
+
+NAME = "overlap"
+# The planner's kinds that a layout already runs beside compute (FSDP2's own
+# schedule; europa-core's plan.timing.LAYOUT_OVERLAPPED), which this plugin keeps.
+LAYOUT_OVERLAPPED = (
+    "parameter_gather",
+    "gradient_reduce_scatter",
+    "gradient_replica_all_reduce",
+    "expert_gradient_all_reduce",
+)
+SUMMARY_KEYS = ("step_s", "compute_s", "comm_s", "exposed_comm_s", "hidden_comm_s")
+KINDS = ("parameter_gather", "gradient_reduce_scatter", "expert_all_to_all", "all_reduce")
+
+
+@dataclass(kw_only=True)
+class OverlapConfig:
+    prefetch_depth: int = field(
+        default=1,
+        metadata={"ge": 0, "doc": "blocks whose parameter all-gather is issued ahead (0: none)"},
+    )
+    reshard_after_forward: str = field(
+        default="all",
+        metadata={
+            "choices": ("all", "all_but_last", "none"),
+            "doc": "blocks that free their gathered parameters after forward",
+        },
+    )
+    reduce_scatter_async: bool = field(
+        default=True,
+        metadata={"doc": "FlexShard's gradient reduce-scatters run beside the rest of backward"},
+    )
+    expert_chunks: int = field(
+        default=2,
+        metadata={
+            "ge": 0,
+            "doc": "chunks of local experts for the overlapped expert all-to-all "
+            "(0: the layout's own all-to-all)",
+        },
+    )
+    timeline: bool = field(
+        default=True, metadata={"doc": "record compute and communication per step"}
+    )
+    trace_steps: int = field(
+        default=4,
+        metadata={"ge": 0, "doc": "steps (after the first) whose intervals europa trace draws"},
+    )
+
+
+@dataclass
+class OverlapRun:
+    timeline: Any = None
+    layout: Any = None  # a layout with cancel_prefetch(), if its gathers are prefetched
+    expert_layers: list[str] = field(default_factory=list)
+    traced: int = 0
+
+
+@hookimpl
+def europa_config_sections():
+    return {NAME: OverlapConfig}
+
+
+def _flexshard_blocks(layout, model):
+    root = next((u for u in layout.units if u.module is model), None)
+    return [u for u in layout.units if u is not root], root
+
+
+@hookimpl(trylast=True)
+def europa_wrap_model(job, model):
+    from europa.overlap.experts import overlap_expert_all_to_all
+    from europa.overlap.prefetch import prefetch_fsdp, prefetch_gather_units
+    from europa.overlap.timeline import Timeline
+
+    table = job.config.section(NAME)
+    run = OverlapRun()
+    layout = job.state.get("flexshard")
+    if layout is not None and hasattr(layout, "units"):
+        blocks, root = _flexshard_blocks(layout, model)
+        prefetch_gather_units(blocks, table.prefetch_depth, table.reshard_after_forward, root,
+                              async_reduce=table.reduce_scatter_async)  # fmt: skip
+        run.layout = layout
+    else:
+        layers = getattr(model, "layers", None)
+        blocks = list(layers.values() if hasattr(layers, "values") else layers or [])
+        fsdp = [b for b in blocks if hasattr(b, "set_modules_to_forward_prefetch")]
+        if fsdp:
+            root = model if hasattr(model, "set_modules_to_forward_prefetch") else None
+            prefetch_fsdp(fsdp, table.prefetch_depth, table.reshard_after_forward, root)
+    if table.expert_chunks:
+        run.expert_layers = overlap_expert_all_to_all(model, table.expert_chunks)
+    if table.timeline:
+        run.timeline = Timeline(job.rank).install()
+    job.state[NAME] = run
+
+
+@hookimpl
+def europa_step_context(job, step):
+    run = job.state.get(NAME)
+    if run is None:
+        return None
+
+    @contextlib.contextmanager
+    def overlapped_step():
+        recording = run.timeline.step(step) if run.timeline else contextlib.nullcontext()
+        with recording:
+            try:
+                yield
+            finally:
+                if run.layout is not None:
+                    run.layout.cancel_prefetch()
+
+    return overlapped_step()
+
+
+def _mean_over_ranks(values: list[float]) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return values
+    tensor = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return (tensor / dist.get_world_size()).tolist()
+
+
+def step_metrics(summary: dict[str, float]) -> dict[str, float]:
+    keys = [*SUMMARY_KEYS, *(f"{k}_s" for k in KINDS), *(f"{k}_exposed_s" for k in KINDS)]
+    values = _mean_over_ranks([float(summary.get(k, 0.0)) for k in keys])
+    out = {f"{NAME}_{k}": v for k, v in zip(keys, values, strict=True)}
+    step = out[f"{NAME}_step_s"]
+    out[f"{NAME}_exposed_comm_fraction"] = out[f"{NAME}_exposed_comm_s"] / step if step else 0.0
+    return out
+
+
+@hookimpl
+def europa_after_step(job, step, metrics):
+    run = job.state.get(NAME)
+    if run is None or run.timeline is None or run.timeline.last is None:
+        return
+    timeline = run.timeline.last
+    metrics.update(step_metrics(timeline.summary()))
+    table = job.config.section(NAME)
+    first = 1 if job.config.training.steps > 1 else 0  # the first step warms up
+    if step >= first and run.traced < table.trace_steps:
+        run.timeline.write(job.run_dir)
+        run.traced += 1
+
+
+@hookimpl
+def europa_plan(job, plan):
+    """Add ``plan["overlapped_kinds"]`` (europa-core's planner hides these kinds behind
+    compute): the layout's own plus the expert all-to-all (with ``expert_chunks``) and
+    host copies (europa-offload's side-stream copies), and ``plan["overlap"]``."""
+    table = job.config.section(NAME)
+    kinds = list(LAYOUT_OVERLAPPED)
+    if table.expert_chunks:
+        kinds.append("expert_all_to_all")
+    kinds.append("host_copies")
+    plan["overlapped_kinds"] = kinds
+    plan[NAME] = {
+        "prefetch_depth": table.prefetch_depth,
+        "reshard_after_forward": table.reshard_after_forward,
+        "expert_chunks": table.expert_chunks,
+    }
+
+
+@hookimpl
+def europa_register_commands(app):
+    @app.command("trace")
+    def trace(run_dir: str, out: str = "") -> None:
+        """Draw a run's compute and communication (europa-overlap's timelines): writes
+        trace.html (one lane per rank; open it in a browser) and trace.json (Chrome
+        trace format; open it in https://ui.perfetto.dev) into RUN_DIR, or --out."""
+        from europa.overlap.trace import write_trace
+
+        written = write_trace(Path(run_dir), Path(out) if out else None)
+        for path in written:
+            print(path, file=sys.stdout)

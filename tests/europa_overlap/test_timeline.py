@@ -1,0 +1,52 @@
+"""The timeline's arithmetic: compute is the step minus the blocked time; exposed
+communication is the blocked time; the rest of the communication was hidden."""
+
+from __future__ import annotations
+
+import pytest
+
+from europa.overlap.timeline import Interval, StepTimeline, subtract, union_seconds
+
+
+def test_union_counts_overlapping_intervals_once():
+    assert union_seconds([(0.0, 1.0), (0.5, 2.0), (3.0, 4.0)]) == 3.0
+    assert union_seconds([]) == 0.0
+
+
+def test_subtract_leaves_the_gaps():
+    assert subtract([(0.0, 10.0)], [(2.0, 3.0), (2.5, 4.0), (9.0, 12.0)]) == [
+        (0.0, 2.0),
+        (4.0, 9.0),
+    ]
+
+
+def test_a_step_splits_into_compute_exposed_and_hidden_communication():
+    step = StepTimeline(
+        step=3,
+        rank=1,
+        duration=10.0,
+        comm=[
+            Interval("parameter_gather", 0.0, 4.0),  # waited for during its last second
+            Interval("expert_all_to_all", 5.0, 6.0),  # entirely beside compute
+        ],
+        blocked=[Interval("parameter_gather", 3.0, 4.0)],
+    )
+    summary = step.summary()
+    assert summary["compute_s"] == 9.0
+    assert summary["comm_s"] == 5.0
+    assert summary["exposed_comm_s"] == 1.0
+    assert summary["hidden_comm_s"] == 4.0
+    assert summary["parameter_gather_exposed_s"] == 1.0
+    assert summary["expert_all_to_all_exposed_s"] == 0.0
+    assert [(i.start, i.end) for i in step.compute()] == [(0.0, 3.0), (4.0, 10.0)]
+    record = step.as_dict()
+    assert record["compute"] == [["compute", 0.0, 3.0], ["compute", 4.0, 10.0]]
+    assert record["blocked"] == [["parameter_gather", 3.0, 4.0]]
+
+
+@pytest.mark.parametrize("policy", ["all", "all_but_last", "none"])
+def test_reshard_policies(policy):
+    from europa.overlap.prefetch import reshards
+
+    expected = {"all": [True] * 3, "all_but_last": [True, True, False], "none": [False] * 3}
+    assert [reshards(policy, i, 3) for i in range(3)] == expected[policy]
