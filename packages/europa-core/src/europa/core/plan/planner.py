@@ -239,7 +239,10 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         INTER: hardware.inter_node_gbps * 1e9 * hardware.link_efficiency,
         HOST: hardware.host_device_gbps * 1e9 * hardware.link_efficiency,
     }
-    overlapped = tuple(plan.get("overlapped_kinds", LAYOUT_OVERLAPPED))
+    # "With overlap": what europa-overlap says it hides, or (not enabled) every
+    # kind that can run beside compute, as the estimate of what it would give.
+    overlappable = tuple(t.kind for t in traffic if t.overlappable)
+    overlapped = tuple(plan.get("overlapped_kinds", overlappable))
     timing = dict(
         model_flops=per_token * tokens_per_rank,
         hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
@@ -262,10 +265,8 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         host_terms=host_terms,
         host_capacity=host_capacity,
         traffic=traffic,
-        without_overlap=step_time(**timing, overlapped_kinds=overlapped),
-        with_overlap=step_time(
-            **timing, overlapped_kinds=tuple(t.kind for t in traffic if t.overlappable)
-        ),
+        without_overlap=step_time(**timing, overlapped_kinds=LAYOUT_OVERLAPPED),
+        with_overlap=step_time(**timing, overlapped_kinds=overlapped),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode=by_mode,
