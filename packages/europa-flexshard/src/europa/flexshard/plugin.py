@@ -188,7 +188,8 @@ def europa_plan(job, plan):
         if name not in routed
     ]
     ownership = plan_ownership(specs, shard_ranks)
-    layout = _OwnedElements(shard_ranks, cfg.optimizer.name == "muon")
+    muon = cfg.optimizer.name == "muon"
+    layout = _OwnedElements(shard_ranks, orthogonalised_by_default if muon else None)
     for spec in specs:
         layout.add(spec, ownership.counts(spec.name), lambda r: r)
     units: dict[str, int] = {}
@@ -234,8 +235,9 @@ class _OwnedElements:
     rank keeps a (possibly empty) local tensor of every parameter, and
     ``FlexShardOptimizer`` gives each AdamW one a step counter, owned or not."""
 
-    def __init__(self, ranks: int, muon: bool) -> None:
-        self.ranks, self.muon = ranks, muon
+    def __init__(self, ranks: int, orthogonalised) -> None:
+        """``orthogonalised(name, shape)``: which parameters Muon steps (None: AdamW only)."""
+        self.ranks, self.orthogonalised = ranks, orthogonalised
         self.stored = [0] * ranks
         self.experts = [0] * ranks
         self.by_rule = {True: [0] * ranks, False: [0] * ranks}
@@ -243,9 +245,7 @@ class _OwnedElements:
 
     def add(self, spec, counts, source_rank, tensors: int = 1, expert: bool = False) -> None:
         """``counts[source_rank(r)]`` matrices of ``spec`` on shard rank ``r``."""
-        from europa.flexshard.layout import orthogonalised_by_default
-
-        use_muon = self.muon and orthogonalised_by_default(spec.name, spec.shape)
+        use_muon = bool(self.orthogonalised and self.orthogonalised(spec.name, spec.shape))
         for r in range(self.ranks):
             owned = counts[source_rank(r)] * spec.matrix_numel
             self.stored[r] += owned

@@ -25,6 +25,7 @@ from europa.core.hf.names import hf_tensors, name_map
 from europa.core.hf.reader import INDEX, SINGLE, HFCheckpoint
 from europa.core.plan.layout import fsdp2_layout
 from europa.core.plan.shapes import ModelShapes
+from europa.core.units import human
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -121,28 +122,21 @@ def plan_import(
     return result
 
 
-def _human(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
 def describe(result: dict[str, Any]) -> str:
     per_rank = result["bytes_per_rank"]
     lines = [
         f"europa import-hf {result['checkpoint']}: {result['hf_tensors']} Hugging Face tensors "
-        f"({_human(result['total_bytes'])} at {result['itemsize']} byte(s) an element) "
+        f"({human(result['total_bytes'], 2)} at {result['itemsize']} byte(s) an element) "
         f"map onto this [model]"
         + ("" if result["weights_present"] else " (config.json only: weights not checked)"),
     ]
     for key, row in result["mapping"].items():
-        lines.append(f"  {key}  ({row['tensors']} tensors, {_human(row['bytes'])})")
+        lines.append(f"  {key}  ({row['tensors']} tensors, {human(row['bytes'], 2)})")
     if result["skipped"]:
         lines.append(f"  skipped (MTP layers europa does not build): {len(result['skipped'])}")
     lines.append(
         f"bytes read per rank over {result['world_size']} rank(s): max "
-        f"{_human(max(per_rank))}, mean {_human(sum(per_rank) / len(per_rank))}, "
-        f"min {_human(min(per_rank))}"
+        f"{human(max(per_rank), 2)}, mean {human(sum(per_rank) / len(per_rank), 2)}, "
+        f"min {human(min(per_rank), 2)}"
     )
     return "\n".join(lines)

@@ -1,7 +1,8 @@
 """The analytic planner behind ``europa plan`` and ``europa train``'s pre-flight check."""
 
 from europa.core.plan.hardware import HardwareProfile, load_profile, shipped_profiles, this_machine
-from europa.core.plan.planner import Plan, human, make_plan
+from europa.core.plan.planner import Plan, make_plan
+from europa.core.units import human
 
 __all__ = [
     "HardwareProfile",

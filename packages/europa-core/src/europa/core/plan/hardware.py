@@ -16,8 +16,8 @@ from pathlib import Path
 import tomli
 
 from europa.core.errors import ConfigError
+from europa.core.units import GIB
 
-GIB = 2**30
 _SHIPPED = "europa.core.plan.profiles"
 
 

@@ -36,8 +36,9 @@ from europa.core.plan.timing import (
 )
 from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
 from europa.core.train.distributed import mesh_shape
+from europa.core.units import human
 
-GIB = 2**30
+MODES = ("none", "full")  # activation_checkpointing.mode
 _CORE_KEYS = {
     "world_size",
     "parameter_shapes",
@@ -47,13 +48,6 @@ _CORE_KEYS = {
     "host_offload",
     "overlapped_kinds",
 }
-
-
-def human(n: float) -> str:
-    for unit, size in (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass(frozen=True)
@@ -98,10 +92,6 @@ class Plan:
     @property
     def fits(self) -> bool:
         return self.fits_device and self.fits_host
-
-    @property
-    def step(self) -> StepTime:
-        return self.with_overlap if self.overlap_enabled else self.without_overlap
 
     @property
     def tokens_per_step(self) -> int:
@@ -189,11 +179,8 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         dtype_bytes=compute_bytes,
         kernel=hardware.attention_kernel,
     )
-    acts = activations(blocks, tokens, recompute, offload)
-    by_mode = {
-        mode: activations(blocks, tokens, mode == "full", offload).device
-        for mode in ("none", "full")
-    }
+    by_mode = {mode: activations(blocks, tokens, mode == "full", offload) for mode in MODES}
+    acts = by_mode["full" if recompute else "none"]
     state = RankState.of(layout)
     rank = state.most_loaded()
     optimizer_state = state.optimizer_state[rank]
@@ -269,7 +256,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         with_overlap=step_time(**timing, overlapped_kinds=overlapped),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
-        activations_by_mode=by_mode,
+        activations_by_mode={mode: a.device for mode, a in by_mode.items()},
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

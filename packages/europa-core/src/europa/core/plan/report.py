@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.core.plan.planner import Plan, human
+from europa.core.plan.planner import Plan
 from europa.core.plan.timing import StepTime
+from europa.core.units import human
 
 
 def _step(t: StepTime, tokens_per_step: int) -> dict[str, Any]:

@@ -1,0 +1,13 @@
+"""Byte sizes as people read them, for the planner's and the importer's messages."""
+
+from __future__ import annotations
+
+GIB = 2**30
+_UNITS = (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def human(n: float, digits: int = 1) -> str:
+    for unit, size in _UNITS:
+        if abs(n) >= size:
+            return f"{n / size:.{digits}f} {unit}"
+    return f"{n:.0f} B"
