@@ -221,8 +221,8 @@ def europa_plan(job: Job, plan: dict[str, Any]) -> None:
     ``europa plan`` and ``europa train``'s pre-flight check compose plugins as
     ``europa train`` does. ``plan`` is a mutable mapping; core fills in
     ``world_size``, ``parameter_shapes`` ({name: shape}), ``parameter_itemsize``,
-    ``hardware`` (the profile's keys) and ``layout`` (core's FSDP2) and then
-    reads back:
+    ``hardware`` (the profile's keys, when planning for a machine) and ``layout``
+    (core's FSDP2) and then reads back:
 
     * ``layout``: replaced by a plugin that lays parameters out its own way;
       the keys are documented in ``europa.core.plan.layout``;

@@ -23,7 +23,7 @@ from europa.core.hf.config_map import check_model_matches, model_table_from_hf, 
 from europa.core.hf.load import HFInitialiser
 from europa.core.hf.names import hf_tensors, name_map
 from europa.core.hf.reader import INDEX, SINGLE, HFCheckpoint
-from europa.core.plan.layout import fsdp2_layout
+from europa.core.plan.planner import plugin_plan
 from europa.core.plan.shapes import ModelShapes
 from europa.core.units import human
 
@@ -54,7 +54,6 @@ def plan_import(
 ) -> dict[str, Any]:
     """Everything ``europa import-hf`` prints; ``job.config`` is the run's config."""
     from europa.core.model import model_spec
-    from europa.core.train.distributed import mesh_shape
 
     config = job.config
     directory = Path(directory)
@@ -78,14 +77,7 @@ def plan_import(
         itemsize = _declared_itemsize(hf_config)
     params = {n: tuple(p.shape) for n, p in model.named_parameters()}
     buffers = {n: s for n, s in hf_tensors(model).items() if n not in params}
-    shape = mesh_shape(config.parallel, world_size)
-    plan: dict[str, Any] = {
-        "parameter_shapes": params,
-        "world_size": world_size,
-        "parameter_itemsize": itemsize,
-        "layout": fsdp2_layout(ModelShapes.of(model), shape[1], config.optimizer.name),
-    }
-    plugins.hook.europa_plan(job=job, plan=plan)
+    plan = plugin_plan(job, plugins, ModelShapes.of(model), itemsize=itemsize)
     layout_bytes = [n * itemsize for n in layout_elements_per_rank(plan, world_size)]
     buffer_bytes = sum(math.prod(s) * 4 for s in buffers.values())
     per_rank = [b + buffer_bytes for b in layout_bytes]

@@ -146,22 +146,36 @@ def make_plan(
     if model is None:
         model = plugins.hook.europa_build_model(job=job)
     shapes = ModelShapes.of(model)
-    _, shard, ep = mesh
+    plan = plugin_plan(job, plugins, shapes, hardware=hardware)
+    return _assemble(config, hardware, world_size, mesh, shapes, plan)
+
+
+def plugin_plan(
+    job: Job,
+    plugins,
+    shapes: ModelShapes,
+    *,
+    itemsize: int = 4,
+    hardware: HardwareProfile | None = None,
+) -> dict[str, Any]:
+    """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
+    FSDP2 layout unless a layout plugin replaced it."""
+    _, shard, ep = mesh_shape(job.config.parallel, job.world_size)
     plan: dict[str, Any] = {
-        "world_size": world_size,
+        "world_size": job.world_size,
         "parameter_shapes": shapes.as_dict(),
-        "parameter_itemsize": 4,
-        "hardware": hardware.as_dict(),
-        "layout": fsdp2_layout(shapes, shard, config.optimizer.name),
+        "parameter_itemsize": itemsize,
+        "layout": fsdp2_layout(shapes, shard, job.config.optimizer.name),
     }
+    if hardware is not None:
+        plan["hardware"] = hardware.as_dict()
     plugins.hook.europa_plan(job=job, plan=plan)
-    layout = plan["layout"]
-    if layout["owner"] == FSDP2 and ep > 1:
+    if plan["layout"]["owner"] == FSDP2 and ep > 1:
         raise PluginError(
             f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
             "or enable a plugin whose europa_shard_model provides it"
         )
-    return _assemble(config, hardware, world_size, mesh, shapes, plan)
+    return plan
 
 
 def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
