@@ -12,7 +12,8 @@ def is_user_error(err: BaseException) -> bool:
 
 
 def one_line(err: BaseException) -> str:
-    return " ".join(str(err).split("\n"))
+    # splitlines, not split("\n"): a user's value may hold \r, \v, U+2028 and other breaks.
+    return " ".join(str(err).splitlines())
 
 
 class EuropaError(ValueError):
@@ -21,7 +22,7 @@ class EuropaError(ValueError):
     europa_user_error = True
 
     def __init__(self, message: str) -> None:
-        single_line = " ".join(message.split("\n"))
+        single_line = " ".join(message.splitlines())
         super().__init__(single_line)
 
 
