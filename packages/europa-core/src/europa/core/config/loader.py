@@ -44,12 +44,24 @@ def _read_preset(name: str) -> dict[str, Any]:
 
 def read_toml_file(path: str | Path) -> dict[str, Any]:
     path = Path(path)
+    shown = show(str(path))
     if not path.is_file():
-        raise ConfigError(f"config = {show(str(path))}: expected a TOML file or a preset name")
+        raise ConfigError(f"config = {shown}: expected a TOML file or a preset name")
     try:
-        return tomli.loads(path.read_text())
-    except tomli.TOMLDecodeError as err:
-        raise ConfigError(f"config = {show(str(path))}: invalid TOML ({err})") from None
+        text = path.read_bytes().decode("utf-8")
+    except OSError as err:
+        raise ConfigError(
+            f"config = {shown}: cannot read ({err.strerror}); expected a readable TOML file"
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"config = {shown}: byte {err.object[err.start]:#04x} at offset {err.start} is not "
+            "UTF-8; expected a TOML file (UTF-8 text)"
+        ) from None
+    try:
+        return tomli.loads(text)
+    except (tomli.TOMLDecodeError, RecursionError) as err:  # tomli caps nesting with RecursionError
+        raise ConfigError(f"config = {shown}: invalid TOML ({err})") from None
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -64,6 +76,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = tomli.loads(f"v = {raw}")["v"]
     except tomli.TOMLDecodeError:
         value = raw
+    except RecursionError as err:  # tomli's cap on nested arrays and inline tables
+        raise ConfigError(f"--set {show(key)}: {err}; expected a TOML value") from None
     return key.split("."), value
 
 
