@@ -51,6 +51,7 @@ def _load(overrides: list[str], **kwargs: Any) -> EuropaConfig:
 
 # Keys tied together by cross-field rules; drawn together, consistently, by _coupled.
 COUPLED = {
+    "run.name",
     "model.num_experts",
     "model.top_k",
     "model.num_expert_groups",
@@ -148,6 +149,9 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         }
     if draw(st.booleans()):
         out["parallel.dp_shard"] = draw(st.one_of(st.just(-1), st.integers(1, 4096)))
+    if draw(st.booleans()):  # one folder name: non-empty, no "/" or NUL, at most 200 bytes
+        name = draw(st.text(st.characters(exclude_characters="/\0"), min_size=1, max_size=50))
+        out["run.name"] = name
     return out
 
 

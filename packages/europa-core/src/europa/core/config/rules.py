@@ -11,7 +11,12 @@ if TYPE_CHECKING:
     from europa.core.config.schema import EuropaConfig
 
 
+# A file name on common file systems is at most 255 bytes; the run directory adds "-<time>".
+MAX_RUN_NAME_BYTES = 200
+
+
 def check_cross_field_rules(config: EuropaConfig) -> None:
+    _check_run_name(config.run.name)
     _check_model(config)
     m, t, p = config.model, config.training, config.parallel
     if p.ep > m.num_experts:  # uneven splits are fine: 6 experts over 4 ranks is 2, 2, 1, 1
@@ -65,3 +70,11 @@ def _check_model(config: EuropaConfig) -> None:
             m.top_k,
             f"at most the {reachable} experts the {m.num_limited_groups} limited groups hold",
         )
+
+
+def _check_run_name(name: str) -> None:
+    """The default run directory is ``runs/<name>-<time>``: the name must stay one folder."""
+    if not name or "/" in name or "\0" in name:
+        raise fail("run.name", name, 'a non-empty folder name without "/" or NUL')
+    if len(name.encode("utf-8", "surrogatepass")) > MAX_RUN_NAME_BYTES:
+        raise fail("run.name", name, f"at most {MAX_RUN_NAME_BYTES} bytes (a folder name)")
