@@ -50,6 +50,7 @@ def check_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
     """A new or empty directory (its data cache aside), or on resume one with a checkpoint."""
     from europa.core.train.checkpoint import checkpoint_to_resume  # torch: only when training
 
+    _check_usable(run_dir)
     if resume:
         checkpoint_to_resume(run_dir, config.training.steps)
     elif run_dir.exists() and any(path.name != CACHE for path in run_dir.iterdir()):
@@ -57,6 +58,23 @@ def check_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
             "directory, or --resume to continue it"
         )
+
+
+def _check_usable(run_dir: Path) -> None:
+    """A directory, or a path whose nearest existing ancestor is a writable directory."""
+    shown = repr(str(run_dir))
+    try:
+        nearest = next(path for path in (run_dir, *run_dir.parents) if path.exists())
+        if not nearest.is_dir():
+            where = "is a file" if nearest == run_dir else f"is under the file {str(nearest)!r}"
+            raise ConfigError(f"--run-dir = {shown}: {where}; expected a directory")
+        if not os.access(nearest, os.W_OK | os.X_OK):
+            raise ConfigError(
+                f"--run-dir = {shown}: {str(nearest)!r} is not writable; expected a directory "
+                "this user may write"
+            )
+    except OSError as err:  # a name too long, a loop of links, ...
+        raise ConfigError(f"--run-dir = {shown}: {err.strerror}; expected a usable path") from None
 
 
 def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
