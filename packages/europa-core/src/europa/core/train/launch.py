@@ -10,13 +10,16 @@ import os
 import shutil
 import sys
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
+from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed, is_user_error
 from europa.core.job import Job
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
+    CACHE,
     SUMMARY_FILE,
     WORKER_ERRORS,
     check_run_dir,
@@ -92,7 +95,8 @@ def train(
         raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
     run_dir = run_dir or default_run_dir(config)
     check_run_dir(config, run_dir, resume=resume)  # before preflight writes its data cache there
-    preflight(config, plugins, world, resume_from=run_dir if resume else None, run_dir=run_dir)
+    with _undone_on_bad_input(run_dir):
+        preflight(config, plugins, world, resume_from=run_dir if resume else None, run_dir=run_dir)
     prepare_run_dir(config, run_dir, resume=resume)
     if world == 1:
         from europa.core.train.loop import run_training
@@ -101,6 +105,36 @@ def train(
     else:
         launch_local_workers(world, run_dir, resume)
     return run_dir
+
+
+@contextmanager
+def _undone_on_bad_input(run_dir: Path) -> Iterator[None]:
+    """Bad input leaves the run directory as it found it. Preflight writes only the data cache:
+    on a user error, remove the folders it created (the run directory itself if it was new).
+    Anything else (an interrupt, a bug) keeps what was prepared, for the next attempt."""
+    created = next((p for p in (*reversed(run_dir.parents), run_dir) if not p.exists()), None)
+    cache = run_dir / CACHE
+    had_cache = cache.is_dir()
+    before = set(cache.iterdir()) if had_cache else set()
+    try:
+        yield
+    except Exception as err:
+        if is_user_error(err):
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            elif cache.is_dir():
+                for path in set(cache.iterdir()) - before:
+                    _remove(path)
+                if not had_cache:
+                    cache.rmdir()
+        raise
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def _run_as_rank(config, plugins, place, run_dir, resume) -> Path:
