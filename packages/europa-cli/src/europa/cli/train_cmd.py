@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
+from europa.core.errors import ConfigError
 from europa.core.plugins import EuropaPluginManager
 from europa.core.run_dir import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
@@ -44,6 +45,11 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         source = config
         if resume and source is None:
             source = str(run_dir / CONFIG_FILE)
+            if not Path(source).is_file():
+                raise ConfigError(
+                    f"--run-dir = {str(run_dir)!r}: holds no {CONFIG_FILE}; expected the "
+                    "directory of an earlier run to --resume"
+                )
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
         from europa.core.train.launch import train  # torch and torchtitan: only when training
 
