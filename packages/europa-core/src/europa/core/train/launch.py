@@ -26,15 +26,10 @@ from europa.core.run_dir import (
     worker_error_file,
 )
 from europa.core.train.batches import build_batches
-from europa.core.train.casualty import (
-    WORKER_MODULE,
-    describe_failure,
-    kill_workers,
-    live_workers,
-    next_step,
-)
+from europa.core.train.casualty import WORKER_MODULE, describe_failure, next_step
 from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume, latest_checkpoint
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.interrupt import ForwardedInterrupts
 from europa.core.train.resources import check_fits
 
 # How long a stop signal leaves workers to finish a step and checkpoint
@@ -144,8 +139,8 @@ def launch_local_workers(
     """N worker processes on this machine via torch.distributed's elastic launcher.
 
     A stop signal to this process (SIGTERM, SIGUSR1, Ctrl-C, ...) is passed on to the
-    workers, which finish their step and checkpoint (see ``train.stop``). A second one
-    while they do (the agent is still waiting for them) kills them at once."""
+    workers, which finish their step and checkpoint (see ``train.stop``); a second Ctrl-C
+    kills them at once (see ``train.interrupt``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -163,7 +158,7 @@ def launch_local_workers(
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # SIGINT: ForwardedInterrupts
         shutdown_timeout=STOP_GRACE_SECONDS,
     )
     args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
@@ -171,8 +166,16 @@ def launch_local_workers(
     # Reports from an earlier attempt in this run directory must not be taken for this one's.
     shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
     shutil.rmtree(run_dir / PROGRESS, ignore_errors=True)
+    interrupts = ForwardedInterrupts(run_dir)
     try:
-        elastic_launch(launch, sys.executable)(*args)
+        with interrupts:
+            elastic_launch(launch, sys.executable)(*args)
+    except KeyboardInterrupt:
+        if not interrupts.forwarded:
+            raise
+        raise WorkerFailed(
+            f"stopped at once by a second Ctrl-C (SIGINT); {next_step(run_dir)}", 130
+        ) from None
     except ChildFailedError as err:
         rank, _ = err.get_first_failure()
         report = worker_error_file(run_dir, rank)
@@ -181,12 +184,6 @@ def launch_local_workers(
         exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
         raise WorkerFailed(*describe_failure(run_dir, exit_codes)) from None
     except SignalException as err:
-        if live_workers(run_dir):  # a second signal interrupted the agent's wait
-            kill_workers(run_dir)
-            raise WorkerFailed(
-                f"stopped at once by a second {err.sigval.name}; {next_step(run_dir)}",
-                128 + int(err.sigval),
-            ) from None
         if not _stopped_cleanly(run_dir):
             raise WorkerFailed(
                 f"stopped by {err.sigval.name} before the workers saved a checkpoint "
