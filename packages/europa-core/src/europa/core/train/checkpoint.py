@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -194,7 +195,7 @@ def save_checkpoint(
         failure = None
     except CheckpointException as err:  # the same on every rank: DCP gathers the failures
         cause = root_exception(err)
-        if not _is_disk_full(cause):
+        if not _is_disk_full(cause, partial):
             raise
         failure = _disk_full_line(cause)
     if failure is None:
@@ -203,6 +204,7 @@ def save_checkpoint(
     if failure is not None:
         if _is_main():
             shutil.rmtree(partial, ignore_errors=True)
+        _barrier()  # the space is free again before any rank writes its error report
         raise CheckpointError(
             f"checkpoint of step {step}: {failure}; the earlier checkpoints are intact: "
             f"free space under {str(partial.parent)!r}, then continue with: "
@@ -211,8 +213,22 @@ def save_checkpoint(
     return final
 
 
-def _is_disk_full(err: BaseException) -> bool:
-    return isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+# torch.save's zip writer reports a short write as "RuntimeError: [enforce fail at
+# inline_container.cc] unexpected pos", without the errno; a disk that a failed write
+# left with (almost) nothing free is taken as full.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _is_disk_full(err: BaseException, where: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(err, OSError | RuntimeError):
+        return False
+    try:
+        stats = os.statvfs(where)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < _NEARLY_FULL_BYTES
 
 
 def _finish(run_dir: Path, partial: Path, final: Path, step: int, keep: int) -> str | None:
@@ -222,7 +238,7 @@ def _finish(run_dir: Path, partial: Path, final: Path, step: int, keep: int) -> 
     try:
         (partial / MARKER).write_text(json.dumps({"step": step, "files": sizes}) + "\n")
     except OSError as err:
-        if not _is_disk_full(err):
+        if not _is_disk_full(err, partial):
             raise
         return _disk_full_line(err)
     shutil.rmtree(final, ignore_errors=True)
@@ -231,8 +247,8 @@ def _finish(run_dir: Path, partial: Path, final: Path, step: int, keep: int) -> 
     return None
 
 
-def _disk_full_line(err: OSError) -> str:
-    return f"the disk is full ({err.strerror or 'no space left'})"
+def _disk_full_line(err: BaseException) -> str:
+    return f"the disk is full ({os.strerror(errno.ENOSPC)})"
 
 
 def _from_main(failure: str | None) -> str | None:
