@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -61,3 +63,27 @@ def records(run_dir: Path) -> list[dict]:
 def last_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     return lines[-1] if lines else ""
+
+
+def start_training(env, *args: str) -> subprocess.Popen:
+    """``europa train`` in a process group of its own, as a shell starts a job."""
+    return subprocess.Popen(
+        europa_command("train", *args, *QUIET),
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def ctrl_c(launcher: subprocess.Popen) -> None:
+    """What a terminal does on Ctrl-C: SIGINT to the foreground process group."""
+    os.killpg(launcher.pid, signal.SIGINT)
+
+
+def wait_for(condition, launcher: subprocess.Popen, seconds: float = 120) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert launcher.poll() is None, launcher.communicate()[1]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

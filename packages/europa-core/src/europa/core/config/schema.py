@@ -101,7 +101,7 @@ class ParallelConfig:
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
     collective_timeout_s: float = setting(
-        600,
+        600.0,
         gt=0,
         doc="seconds a collective waits for the other ranks before this rank gives up; "
         "leave room for the first step and for checkpoint saves",
