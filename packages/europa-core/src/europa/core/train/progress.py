@@ -20,7 +20,7 @@ from europa.core.run_dir import PROGRESS, progress_file
 
 class RankProgress:
     def __init__(self, run_dir: Path, rank: int) -> None:
-        self.path = progress_file(run_dir, rank)
+        self.path = progress_file(Path(run_dir), rank)
         self.rank = rank
         self.step = 0
         self.phase = "starting"
