@@ -31,6 +31,7 @@ RUNS = [
     Run("fsdp2", [*COMMON, *NAN_ON_RANK_1_AT_STEP_2], ["faults"]),
     Run("flexshard", [*COMMON, *NAN_ON_RANK_1_AT_STEP_2], ["faults", "flexshard"]),
     Run("too_many", [*COMMON, "faults.nan_at_steps=[2, 3]"], ["faults"]),
+    Run("resumed", [*COMMON, *NAN_ON_RANK_1_AT_STEP_2], ["faults"], resume_from="fsdp2"),
 ]
 
 
@@ -78,3 +79,10 @@ def test_more_non_finite_steps_than_allowed_stop_the_run_naming_the_step(outcome
     assert sorted(p.name for p in (root / "too_many" / "checkpoints").iterdir()) == [
         "step-00000002"
     ]
+
+
+@pytest.mark.distributed
+def test_the_count_of_skipped_steps_survives_a_resume(outcomes):
+    _, by_rank = outcomes
+    resumed = by_rank[0]["resumed"]  # steps 3-4 from fsdp2's step-2 checkpoint
+    assert [(r["step"], r["skipped_steps"]) for r in resumed] == [(1, 0), (2, 1), (3, 1), (4, 1)]
