@@ -32,6 +32,12 @@ def test_a_missing_metadata_file_is_damage(tmp_path):
     assert damage(path) == "its file .metadata is missing"
 
 
+def test_a_garbled_marker_is_damage(tmp_path):
+    path = _checkpoint(tmp_path, 1, FILES)
+    (path / MARKER).write_bytes(b"\x00{")
+    assert damage(path) == f"its marker file {MARKER} is unreadable"
+
+
 def test_a_checkpoint_from_before_sizes_were_recorded_needs_its_metadata(tmp_path):
     path = step_dir(tmp_path, 1)
     path.mkdir(parents=True)

@@ -61,7 +61,10 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 def damage(path: Path) -> str | None:
     """What is wrong with the files of a complete checkpoint, or None when intact."""
-    recorded = json.loads((path / MARKER).read_text()).get("files")
+    try:
+        recorded = json.loads((path / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return f"its marker file {MARKER} is unreadable"
     if recorded is None:  # written before the marker recorded sizes
         recorded = {".metadata": None}
     for name, size in sorted(recorded.items()):
