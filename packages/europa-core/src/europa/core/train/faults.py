@@ -17,7 +17,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from europa.core.errors import LostContact
+from europa.core.errors import LostContact, is_user_error
 from europa.core.train.progress import RankProgress
 
 # gloo raises a plain RuntimeError whose message points into its transport code
@@ -59,7 +59,7 @@ def reporting_faults(run_dir: Path, rank: int) -> Iterator[RankProgress]:
         yield progress
     except Exception as err:
         if not is_lost_contact(err):
-            if not getattr(err, "europa_user_error", False):
+            if not is_user_error(err):
                 progress.mark("failed")
             raise
         progress.mark("lost-contact")
