@@ -195,13 +195,13 @@ def save_checkpoint(
     _barrier()
     try:
         dcp.save({**state.state_dict(), "trainer": trainer_state}, checkpoint_id=str(partial))
-        failure = None
     except CheckpointException as err:  # the same on every rank: DCP gathers the failures
-        cause = root_exception(err)
-        if not _is_disk_full(cause, partial):
+        # Rank 0 judges (free space is what it sees before it frees any) for every rank.
+        full = _is_main() and _is_disk_full(root_exception(err), partial)
+        failure = _from_main(_disk_full_line(err) if full else None)
+        if failure is None:
             raise
-        failure = _disk_full_line(cause)
-    if failure is None:
+    else:
         failure = _finish(run_dir, partial, final, step, keep) if _is_main() else None
         failure = _from_main(failure)
     if failure is not None:
