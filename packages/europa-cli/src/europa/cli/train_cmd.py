@@ -38,8 +38,18 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
                 "--resume", help="Continue the run in --run-dir from its last checkpoint."
             ),
         ] = False,
+        resume_from_older: Annotated[
+            bool,
+            typer.Option(
+                "--resume-from-older",
+                help="With --resume: when the newest checkpoint is damaged, continue from "
+                "the newest intact one.",
+            ),
+        ] = False,
     ) -> None:
         """Train a model: the tiny preset on 2 local CPU processes by default."""
+        if resume_from_older and not resume:
+            raise typer.BadParameter("--resume-from-older needs --resume: expected both")
         if resume and run_dir is None:
             raise typer.BadParameter("--resume needs --run-dir: expected the run to continue")
         source = config
@@ -53,7 +63,14 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
         from europa.core.train.launch import train  # torch and torchtitan: only when training
 
-        done = train(resolved, plugins, run_dir=run_dir, resume=resume, nproc=nproc)
+        done = train(
+            resolved,
+            plugins,
+            run_dir=run_dir,
+            resume=resume,
+            nproc=nproc,
+            from_older=resume_from_older,
+        )
         print(_finished(done), file=sys.stderr)
 
 

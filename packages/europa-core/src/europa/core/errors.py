@@ -55,5 +55,13 @@ class WorkerFailed(RuntimeError):
         self.exit_code = exit_code
 
 
+class LostContact(WorkerFailed):
+    """A collective failed or timed out on this rank: another rank died or hung.
+    Not the user's error, but no bug here either: one line, exit 1."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, 1)
+
+
 class ResourceError(EuropaError):
     """The job cannot fit on the machine it was asked to run on."""

@@ -5,9 +5,10 @@ step), ``job.json`` (world size, mesh, device and parameter counts, written when
 training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
 ``.partial`` folders are never loaded), ``summary.json``, ``tensorboard/``
 (event files, when ``[metrics] tensorboard = true``), ``worker-errors/rank-N.txt``
-(a worker's one-line error, read by the launcher) and ``cache/`` (text prepared
-for training, written before the run starts). The names import nothing heavy,
-so the CLI can use them without torch.
+(a worker's one-line error, read by the launcher), ``progress/rank-N.json`` (where
+each rank is: the step it computes or saves, its pid; see ``train.progress``) and
+``cache/`` (text prepared for training, written before the run starts). The names
+import nothing heavy, so the CLI can use them without torch.
 """
 
 from __future__ import annotations
@@ -29,12 +30,17 @@ JOB_FILE = "job.json"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS = "checkpoints"
 WORKER_ERRORS = "worker-errors"
+PROGRESS = "progress"
 CACHE = "cache"  # derived data, e.g. text prepared for training (europa.core.data.corpora)
 RUNS_ROOT = Path("runs")
 
 
 def worker_error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / WORKER_ERRORS / f"rank-{rank}.txt"
+
+
+def progress_file(run_dir: Path, rank: int) -> Path:
+    return run_dir / PROGRESS / f"rank-{rank}.json"
 
 
 def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None) -> Path:
@@ -46,13 +52,16 @@ def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None)
     return RUNS_ROOT / f"{config.run.name}-{job_id}"
 
 
-def check_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
-    """A new or empty directory (its data cache aside), or on resume one with a checkpoint."""
+def check_run_dir(
+    config: EuropaConfig, run_dir: Path, *, resume: bool, from_older: bool = False
+) -> None:
+    """A new or empty directory (its data cache aside), or on resume one with a checkpoint
+    to continue from (with ``from_older``, an older one when newer ones are damaged)."""
     from europa.core.train.checkpoint import checkpoint_to_resume  # torch: only when training
 
     _check_usable(run_dir)
     if resume:
-        checkpoint_to_resume(run_dir, config.training.steps)
+        checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
     elif run_dir.exists() and any(path.name != CACHE for path in run_dir.iterdir()):
         raise ConfigError(
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
@@ -77,11 +86,13 @@ def _check_usable(run_dir: Path) -> None:
         raise ConfigError(f"--run-dir = {shown}: {err.strerror}; expected a usable path") from None
 
 
-def prepare_run_dir(config: EuropaConfig, run_dir: Path, *, resume: bool) -> None:
+def prepare_run_dir(
+    config: EuropaConfig, run_dir: Path, *, resume: bool, from_older: bool = False
+) -> None:
     """Create (or, on resume, check) the run directory and write the resolved config."""
     from europa.core.config import config_to_toml
 
-    check_run_dir(config, run_dir, resume=resume)
+    check_run_dir(config, run_dir, resume=resume, from_older=from_older)
     run_dir.mkdir(parents=True, exist_ok=True)
     staged = run_dir / f".{CONFIG_FILE}.partial"
     staged.write_text(config_to_toml(config))

@@ -65,6 +65,11 @@ class TrainingConfig:
     max_grad_norm: float = setting(1.0, ge=0, doc="0 disables clipping")
     dtype: str = setting("float32", choices=("float32", "bfloat16"))
     deterministic: bool = setting(True, doc="deterministic torch algorithms")
+    max_skipped_steps: int = setting(
+        10,
+        ge=0,
+        doc="steps skipped for a non-finite loss or gradient before the run stops; 0: none",
+    )
 
 
 @dataclass(kw_only=True)
@@ -95,6 +100,12 @@ class ParallelConfig:
     )
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
+    collective_timeout_s: float = setting(
+        600.0,
+        gt=0,
+        doc="seconds a collective waits for the other ranks before this rank gives up; "
+        "leave room for the first step and for checkpoint saves",
+    )
 
 
 @dataclass(kw_only=True)

@@ -3,12 +3,20 @@
 Every rank writes its shards into ``checkpoints/.step-NNNNNNNN.partial``; only
 after all ranks have finished does rank 0 rename it to ``step-NNNNNNNN``. A
 crash mid-save leaves a ``.partial`` folder that is never loaded and is
-cleared by the next save.
+cleared on resume and by the next save.
+
+The marker file that completes a checkpoint records the size of every file in it. On
+resume, a checkpoint whose files are missing or of another size (a truncated copy, a
+lost ``.metadata``) is damaged: refused in one line, or skipped for the newest intact
+one with ``--resume-from-older``. Sizes cost one ``stat`` per file; a checksum would
+mean reading every byte of a checkpoint on one rank, at save and again on resume.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -23,6 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from europa.core.errors import CheckpointError, ConfigError
 from europa.core.run_dir import CHECKPOINTS
+from europa.core.train.faults import root_exception
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"
@@ -50,14 +59,36 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
     return done[-1] if done else None
 
 
-def checkpoint_to_resume(run_dir: Path, total_steps: int) -> tuple[int, Path]:
-    """The newest complete checkpoint, if a run of ``total_steps`` can continue from it."""
-    found = latest_checkpoint(run_dir)
-    if found is None:
+def damage(path: Path) -> str | None:
+    """What is wrong with the files of a complete checkpoint, or None when intact."""
+    try:
+        recorded = json.loads((path / MARKER).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        return f"its marker file {MARKER} is unreadable"
+    if recorded is None:  # written before the marker recorded sizes
+        recorded = {".metadata": None}
+    for name, size in sorted(recorded.items()):
+        file = path / name
+        if not file.is_file():
+            return f"its file {name} is missing"
+        actual = file.stat().st_size
+        if size is not None and actual != size:
+            return f"its file {name} has {actual} bytes, {size} when saved"
+    return None
+
+
+def checkpoint_to_resume(
+    run_dir: Path, total_steps: int, *, from_older: bool = False
+) -> tuple[int, Path]:
+    """The newest complete checkpoint, if a run of ``total_steps`` can continue from it;
+    with ``from_older``, the newest intact one when newer ones are damaged."""
+    complete = complete_checkpoints(run_dir)
+    if not complete:
         raise CheckpointError(
             f"--resume: {str(run_dir)!r} holds no complete checkpoint; expected "
             "checkpoints/step-* from an earlier run"
         )
+    found = _newest_intact(complete, from_older)
     done, path = found
     if done > total_steps:
         raise ConfigError(
@@ -65,6 +96,53 @@ def checkpoint_to_resume(run_dir: Path, total_steps: int) -> tuple[int, Path]:
             f"checkpoint {str(path)!r} has already done"
         )
     return found
+
+
+def _newest_intact(complete: list[tuple[int, Path]], from_older: bool) -> tuple[int, Path]:
+    newest = complete[-1][1]
+    problem = damage(newest)
+    if problem is None:
+        return complete[-1]
+    older = next(((s, p) for s, p in reversed(complete[:-1]) if damage(p) is None), None)
+    if from_older and older is not None:
+        return older
+    if older is None:
+        hint = "no older checkpoint is intact either"
+    else:
+        hint = f"add --resume-from-older to continue from {older[1].name}, the newest intact one"
+    raise CheckpointError(
+        f"--resume: checkpoint {str(newest)!r} is damaged ({problem}); expected an intact "
+        f"checkpoint: {hint}"
+    )
+
+
+def agreed_checkpoint_to_resume(
+    run_dir: Path, total_steps: int, *, from_older: bool = False
+) -> tuple[int, Path]:
+    """``checkpoint_to_resume`` decided on rank 0 (which also clears leftover partial
+    saves) and shared, so every rank loads the same checkpoint or raises the same error."""
+    outcome: tuple[int, Path] | Exception
+    if _is_main():
+        try:
+            outcome = checkpoint_to_resume(run_dir, total_steps, from_older=from_older)
+            clear_partials(run_dir)
+        except (CheckpointError, ConfigError) as err:
+            outcome = err
+    else:
+        outcome = None
+    if dist.is_initialized():
+        shared = [outcome]
+        dist.broadcast_object_list(shared, src=0)
+        outcome = shared[0]
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
+
+
+def clear_partials(run_dir: Path) -> None:
+    """Remove what saves that never finished left behind."""
+    for partial in (run_dir / CHECKPOINTS).glob(".step-*.partial"):
+        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _barrier() -> None:
@@ -105,22 +183,84 @@ def save_checkpoint(
     keep: int = 0,
 ) -> Path:
     """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
-    and the trainer's own state as checkpoint ``step``; every rank calls it."""
+    and the trainer's own state as checkpoint ``step``; every rank calls it.
+
+    A full disk (on any rank) removes the partial checkpoint and raises a
+    CheckpointError on every rank; earlier checkpoints are untouched."""
     final = step_dir(run_dir, step)
     partial = final.with_name(f".{final.name}.partial")
     if _is_main():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
     _barrier()
-    dcp.save({**state.state_dict(), "trainer": trainer_state}, checkpoint_id=str(partial))
-    _barrier()
-    if _is_main():
-        (partial / MARKER).write_text(json.dumps({"step": step}) + "\n")
-        shutil.rmtree(final, ignore_errors=True)
-        partial.rename(final)
-        _prune(run_dir, keep)
-    _barrier()
+    try:
+        dcp.save({**state.state_dict(), "trainer": trainer_state}, checkpoint_id=str(partial))
+    except CheckpointException as err:  # the same on every rank: DCP gathers the failures
+        # Rank 0 judges (free space is what it sees before it frees any) for every rank.
+        full = _is_main() and _is_disk_full(root_exception(err), partial)
+        failure = _from_main(_disk_full_line(err) if full else None)
+        if failure is None:
+            raise
+    else:
+        failure = _finish(run_dir, partial, final, step, keep) if _is_main() else None
+        failure = _from_main(failure)
+    if failure is not None:
+        if _is_main():
+            shutil.rmtree(partial, ignore_errors=True)
+        _barrier()  # the space is free again before any rank writes its error report
+        raise CheckpointError(
+            f"checkpoint of step {step}: {failure}; the earlier checkpoints are intact: "
+            f"free space under {str(partial.parent)!r}, then continue with: "
+            f"europa train --resume --run-dir {run_dir}"
+        )
     return final
+
+
+# torch.save's zip writer reports a short write as "RuntimeError: [enforce fail at
+# inline_container.cc] unexpected pos", without the errno; a disk that a failed write
+# left with (almost) nothing free is taken as full.
+_NEARLY_FULL_BYTES = 1 << 20
+
+
+def _is_disk_full(err: BaseException, where: Path) -> bool:
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    if not isinstance(err, OSError | RuntimeError):
+        return False
+    try:
+        stats = os.statvfs(where)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < _NEARLY_FULL_BYTES
+
+
+def _finish(run_dir: Path, partial: Path, final: Path, step: int, keep: int) -> str | None:
+    """Rank 0, once every rank has written: the marker, the rename, pruning. Returns
+    what went wrong when the disk is full, else None."""
+    sizes = {file.name: file.stat().st_size for file in partial.iterdir() if file.is_file()}
+    try:
+        (partial / MARKER).write_text(json.dumps({"step": step, "files": sizes}) + "\n")
+    except OSError as err:
+        if not _is_disk_full(err, partial):
+            raise
+        return _disk_full_line(err)
+    shutil.rmtree(final, ignore_errors=True)
+    partial.rename(final)
+    _prune(run_dir, keep)
+    return None
+
+
+def _disk_full_line(err: BaseException) -> str:
+    return f"the disk is full ({os.strerror(errno.ENOSPC)})"
+
+
+def _from_main(failure: str | None) -> str | None:
+    """Rank 0's outcome on every rank (also the barrier that ends a save)."""
+    if not dist.is_initialized():
+        return failure
+    shared = [failure]
+    dist.broadcast_object_list(shared, src=0)
+    return shared[0]
 
 
 def _prune(run_dir: Path, keep: int) -> None:
@@ -163,10 +303,7 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
 
 def _root_cause(err: BaseException) -> str:
     """The first rank's underlying error, on one line."""
-    failures = getattr(err, "failures", None)
-    if failures:
-        wrapped = next(iter(failures.values()))  # (exception, traceback frames)
-        err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+    err = root_exception(err)
     lines = str(err).strip().splitlines()
     return lines[0] if lines else type(err).__name__
 

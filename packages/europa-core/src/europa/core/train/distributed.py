@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,8 @@ def init_distributed(
             rank=place.rank,
             world_size=place.world_size,
             device_id=device if device.type == "cuda" else None,
+            # A rank that died on another node is noticed only as a collective timeout.
+            timeout=timedelta(seconds=parallel.collective_timeout_s),
         )
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
     return device, mesh

@@ -20,6 +20,7 @@ from europa.core.job import Job
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
+    PROGRESS,
     SUMMARY_FILE,
     WORKER_ERRORS,
     check_run_dir,
@@ -28,11 +29,12 @@ from europa.core.run_dir import (
     worker_error_file,
 )
 from europa.core.train.batches import build_batches
-from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume
+from europa.core.train.casualty import WORKER_MODULE, describe_failure, next_step
+from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume, latest_checkpoint
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.interrupt import ForwardedInterrupts
 from europa.core.train.resources import check_fits
 
-WORKER_MODULE = "europa.core.train.worker"
 # How long a stop signal leaves workers to finish a step and checkpoint
 # before the launcher kills them.
 STOP_GRACE_SECONDS = 600
@@ -44,6 +46,7 @@ def preflight(
     world_size: int,
     resume_from: Path | None = None,
     run_dir: Path | None = None,
+    from_older: bool = False,
 ) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later.
 
@@ -61,7 +64,13 @@ def preflight(
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
     if resume_from is not None:
-        _, path = checkpoint_to_resume(resume_from, config.training.steps)
+        _, path = checkpoint_to_resume(resume_from, config.training.steps, from_older=from_older)
+        newest = latest_checkpoint(resume_from)
+        if newest is not None and newest[1] != path:
+            print(
+                f"europa: {newest[1].name} is damaged; resuming from {path.name}",
+                file=sys.stderr,
+            )
         check_compatible(path, model)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
@@ -80,8 +89,10 @@ def train(
     run_dir: Path | None = None,
     resume: bool = False,
     nproc: int | None = None,
+    from_older: bool = False,
 ) -> Path:
-    """Run ``europa train``; returns the run directory."""
+    """Run ``europa train``; returns the run directory. ``from_older``: on resume, fall
+    back to the newest intact checkpoint when newer ones are damaged."""
     place = detect_launcher()
     if place is not None:
         if nproc is not None:
@@ -89,21 +100,24 @@ def train(
                 f"--nproc = {nproc}: expected no --nproc under {place.source}, which already "
                 f"started {place.world_size} processes"
             )
-        return _run_as_rank(config, plugins, place, run_dir, resume)
+        return _run_as_rank(config, plugins, place, run_dir, resume, from_older)
     world = nproc if nproc is not None else config.parallel.nproc
     if world < 1:
         raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
     run_dir = run_dir or default_run_dir(config)
-    check_run_dir(config, run_dir, resume=resume)  # before preflight writes its data cache there
+    # before preflight writes its data cache there
+    check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+    resume_from = run_dir if resume else None
     with _undone_on_bad_input(run_dir):
-        preflight(config, plugins, world, resume_from=run_dir if resume else None, run_dir=run_dir)
-    prepare_run_dir(config, run_dir, resume=resume)
+        preflight(config, plugins, world, resume_from, run_dir=run_dir, from_older=from_older)
+    prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
     if world == 1:
         from europa.core.train.loop import run_training
 
-        run_training(config, run_dir, ProcessPlace(0, 1, 0, "single"), plugins, resume=resume)
+        place = ProcessPlace(0, 1, 0, "single")
+        run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
     else:
-        launch_local_workers(world, run_dir, resume)
+        launch_local_workers(world, run_dir, resume, from_older=from_older)
     return run_dir
 
 
@@ -137,15 +151,15 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _run_as_rank(config, plugins, place, run_dir, resume) -> Path:
+def _run_as_rank(config, plugins, place, run_dir, resume, from_older) -> Path:
     from europa.core.train.loop import run_training
 
     mesh_shape(config.parallel, place.world_size)
     if run_dir is None:
         run_dir = default_run_dir(config)
     if place.rank == 0:
-        prepare_run_dir(config, run_dir, resume=resume)
-    run_training(config, run_dir, place, plugins, resume=resume)
+        prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
+    run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
     return run_dir
 
 
@@ -153,11 +167,14 @@ def _threads_per_worker(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
+def launch_local_workers(
+    nproc: int, run_dir: Path, resume: bool, *, from_older: bool = False
+) -> None:
     """N worker processes on this machine via torch.distributed's elastic launcher.
 
-    A stop signal to this process (SIGTERM, SIGUSR1, ...) is passed on to the
-    workers, which finish their step and checkpoint (see ``train.stop``)."""
+    A stop signal to this process (SIGTERM, SIGUSR1, Ctrl-C, ...) is passed on to the
+    workers, which finish their step and checkpoint (see ``train.stop``); a second Ctrl-C
+    kills them at once (see ``train.interrupt``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -175,24 +192,31 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
         rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         monitor_interval=0.1,
-        signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # SIGINT: ForwardedInterrupts
         shutdown_timeout=STOP_GRACE_SECONDS,
     )
     args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    args += ["--resume-from-older"] if from_older else []
     # Reports from an earlier attempt in this run directory must not be taken for this one's.
     shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
+    shutil.rmtree(run_dir / PROGRESS, ignore_errors=True)
+    interrupts = ForwardedInterrupts(run_dir)
     try:
-        elastic_launch(launch, sys.executable)(*args)
+        with interrupts:
+            elastic_launch(launch, sys.executable)(*args)
+    except KeyboardInterrupt:
+        if not interrupts.forwarded:
+            raise
+        raise WorkerFailed(
+            f"stopped at once by a second Ctrl-C (SIGINT); {next_step(run_dir)}", 130
+        ) from None
     except ChildFailedError as err:
-        rank, failure = err.get_first_failure()
+        rank, _ = err.get_first_failure()
         report = worker_error_file(run_dir, rank)
         if report.is_file():  # a user-facing error, the same on every rank that hit it
             raise LaunchedRunError(report.read_text().strip()) from None
-        raise WorkerFailed(
-            f"worker rank {rank} exited with code {failure.exitcode}; its error is printed "
-            f"above (run directory {str(run_dir)!r})",
-            failure.exitcode if failure.exitcode > 0 else 1,
-        ) from None
+        exit_codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+        raise WorkerFailed(*describe_failure(run_dir, exit_codes)) from None
     except SignalException as err:
         if not _stopped_cleanly(run_dir):
             raise WorkerFailed(

@@ -33,6 +33,9 @@ from europa.core.train.distributed import (
     shutdown,
 )
 from europa.core.train.evaluate import validation_metrics
+from europa.core.train.faults import reporting_faults
+from europa.core.train.nonfinite import SkippedSteps
+from europa.core.train.progress import RankProgress
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -61,11 +64,22 @@ def _peak_memory_bytes(device: torch.device) -> int:
 
 
 class Trainer:
-    def __init__(self, job: Job, plugins: EuropaPluginManager, resume: bool) -> None:
+    def __init__(
+        self,
+        job: Job,
+        plugins: EuropaPluginManager,
+        resume: bool,
+        *,
+        from_older: bool = False,
+        progress: RankProgress | None = None,
+    ) -> None:
         self.job = job
         self.plugins = plugins
         self.resume = resume
+        self.from_older = from_older
+        self.progress = progress or RankProgress(job.run_dir, job.rank)
         cfg = job.config
+        self.skipped = SkippedSteps(cfg.training.max_skipped_steps)
         hook = plugins.hook
         model = hook.europa_build_model(job=job)
         self.counts = count_parameters(model)
@@ -115,15 +129,23 @@ class Trainer:
     # -- state ---------------------------------------------------------------------------
 
     def _trainer_state(self, step: int) -> dict[str, Any]:
-        return {"step": step, "scheduler": self.scheduler.state_dict()}
+        return {
+            "step": step,
+            "scheduler": self.scheduler.state_dict(),
+            "skipped_steps": self.skipped.count,
+        }
 
     def restore(self) -> int:
-        _, path = checkpoint.checkpoint_to_resume(self.job.run_dir, self.job.config.training.steps)
+        _, path = checkpoint.agreed_checkpoint_to_resume(
+            self.job.run_dir, self.job.config.training.steps, from_older=self.from_older
+        )
         state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
+        self.skipped.count = int(state["skipped_steps"])
         return int(state["step"])
 
     def save(self, step: int) -> Path:
+        self.progress.mark("saving", step)
         return checkpoint.save_checkpoint(
             self.job.run_dir,
             step,
@@ -154,6 +176,7 @@ class Trainer:
 
     def step(self, step: int) -> dict[str, Any]:
         started = time.perf_counter()
+        self.progress.mark("step", step + 1)
         with ExitStack() as stack:
             for manager in self.plugins.hook.europa_step_context(job=self.job, step=step):
                 if manager is not None:
@@ -162,7 +185,9 @@ class Trainer:
             grad_norm = self._clip()
             load = update_expert_bias(self.model)
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
+            skipped = self.skipped.skips(step, grad_norm)
+            if not skipped:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
             self.scheduler.step()
         elapsed = time.perf_counter() - started
@@ -179,6 +204,7 @@ class Trainer:
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
+            **self.skipped.record(skipped),
         }
 
     # -- validation -----------------------------------------------------------------------
@@ -249,6 +275,7 @@ class Trainer:
                     break
             if saved_at != done:
                 self.save(done)
+        self.progress.mark("finished", done)
         summary = {
             "steps": done,
             "target_steps": cfg.training.steps,
@@ -275,6 +302,7 @@ def run_training(
     plugins: EuropaPluginManager,
     *,
     resume: bool = False,
+    from_older: bool = False,
 ) -> dict[str, Any]:
     """Everything one process does in ``europa train``."""
     if config.training.deterministic:
@@ -294,6 +322,7 @@ def run_training(
             # torchtitan's router asks for fp32 autocast around its gate; CPU autocast
             # knows only bf16/fp16 and warns on every forward. The gate runs in fp32.
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
-            return Trainer(job, plugins, resume).run()
+            with reporting_faults(run_dir, place.rank) as progress:
+                return Trainer(job, plugins, resume, from_older=from_older, progress=progress).run()
     finally:
         shutdown()

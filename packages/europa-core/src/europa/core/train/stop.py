@@ -4,6 +4,10 @@ SLURM sends SIGTERM at the time limit (and ``--signal=USR1@<seconds>`` sends
 SIGUSR1 ahead of it). A handler only records the request; at the end of each
 step every rank reports whether it saw one (all-reduce MAX), so all ranks
 stop after the same step even when only some of them were signalled.
+
+Ctrl-C (SIGINT) asks the same; a second Ctrl-C stops at once (KeyboardInterrupt).
+The local launcher forwards each Ctrl-C it gets to its workers, which run in sessions
+of their own, so a worker sees one SIGINT per Ctrl-C.
 """
 
 from __future__ import annotations
@@ -15,12 +19,13 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
     def __init__(self) -> None:
         self.signal_name: str | None = None
+        self._interrupted = False
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StopRequest:
@@ -34,7 +39,10 @@ class StopRequest:
             signal.signal(sig, handler)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self.signal_name = signal.Signals(signum).name
+        if signum == signal.SIGINT and self._interrupted:
+            raise KeyboardInterrupt
+        self._interrupted = self._interrupted or signum == signal.SIGINT
+        self.signal_name = self.signal_name or signal.Signals(signum).name
 
     def agreed(self, device: torch.device) -> bool:
         """True on every rank once any rank has been signalled (a collective)."""

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from europa.core.errors import is_user_error, one_line
+from europa.core.errors import WorkerFailed, is_user_error, one_line
 from europa.core.run_dir import worker_error_file
 
 
@@ -16,8 +16,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="europa-worker")
     parser.add_argument("--run-dir", required=True, type=Path)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--resume-from-older", action="store_true")
     args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
     try:
+        from europa.core.train.progress import RankProgress
+
+        RankProgress(args.run_dir, rank).mark("starting")  # the pid, for the launcher
         from europa.core.session import load_run_config
         from europa.core.train.distributed import detect_launcher
         from europa.core.train.loop import run_training
@@ -31,12 +36,22 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        run_training(config, args.run_dir, place, plugins, resume=args.resume)
+        run_training(
+            config,
+            args.run_dir,
+            place,
+            plugins,
+            resume=args.resume,
+            from_older=args.resume_from_older,
+        )
+    except WorkerFailed as err:  # lost contact with a rank that died: the launcher names it
+        print(f"europa: error (worker): {err}", file=sys.stderr)
+        return err.exit_code
     except Exception as err:
         if not is_user_error(err):
             raise
         # The launcher prints the first failed rank's line, once, for all ranks.
-        report = worker_error_file(args.run_dir, int(os.environ.get("RANK", "0")))
+        report = worker_error_file(args.run_dir, rank)
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text(f"{one_line(err)}\n")
         return 2

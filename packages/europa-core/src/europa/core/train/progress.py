@@ -1,0 +1,48 @@
+"""Where each rank is, in a small file of its own: ``progress/rank-N.json`` in the run
+directory holds the rank's pid, the step it is computing (1-based, as in
+``metrics.jsonl``) and its phase. Written without a collective, so it is still right
+after the rank died; the launcher reads it to say which rank died at which step.
+
+Phases: ``starting``, ``step`` (computing ``step``), ``saving`` (writing the checkpoint
+of ``step``), ``lost-contact`` (a collective failed here: another rank died or hung),
+``failed`` (an exception on this rank), ``finished``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from europa.core.run_dir import PROGRESS, progress_file
+
+
+class RankProgress:
+    def __init__(self, run_dir: Path, rank: int) -> None:
+        self.path = progress_file(Path(run_dir), rank)
+        self.rank = rank
+        self.step = 0
+        self.phase = "starting"
+
+    def mark(self, phase: str, step: int | None = None) -> None:
+        """Record ``phase`` (at ``step``, or the step last recorded); an atomic replace."""
+        self.phase = phase
+        self.step = self.step if step is None else step
+        record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": phase}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        staged = self.path.with_name(f".{self.path.name}.partial")
+        staged.write_text(json.dumps(record) + "\n")
+        staged.replace(self.path)
+
+
+def read_progress(run_dir: Path) -> dict[int, dict[str, Any]]:
+    """Every rank's last record, by rank."""
+    found = {}
+    for path in sorted((run_dir / PROGRESS).glob("rank-*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue  # removed meanwhile (a new attempt starting), or not a record
+        found[int(record["rank"])] = record
+    return found
