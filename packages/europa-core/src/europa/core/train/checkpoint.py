@@ -21,8 +21,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from europa.core.errors import CheckpointError, ConfigError
+from europa.core.errors import CheckpointError, ConfigError, is_user_error
 from europa.core.run_dir import CHECKPOINTS
+from europa.core.train.checkpoint_reader import (
+    RestrictedFileSystemReader,
+    WeightsOnlyLoadPlanner,
+    read_metadata,
+)
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"
@@ -140,7 +145,7 @@ def _mismatch(path: Path, detail: str) -> CheckpointError:
 def check_compatible(path: Path, model: torch.nn.Module) -> None:
     """Compare the checkpoint's recorded parameter shapes with ``model`` (which
     may still be on the meta device) without reading any tensor data."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     saved_params = {
         key.removeprefix("model."): entry.size
         for key, entry in saved.items()
@@ -161,13 +166,18 @@ def check_compatible(path: Path, model: torch.nn.Module) -> None:
         raise _mismatch(path, f"it has model.{extra[0]}, which this model lacks")
 
 
-def _root_cause(err: BaseException) -> str:
-    """The first rank's underlying error, on one line."""
+def _first_failure(err: BaseException) -> BaseException:
+    """The first rank's underlying error."""
     failures = getattr(err, "failures", None)
     if failures:
         wrapped = next(iter(failures.values()))  # (exception, traceback frames)
         err = wrapped[0] if isinstance(wrapped, tuple) else wrapped
-    lines = str(err).strip().splitlines()
+    return err
+
+
+def _root_cause(err: BaseException) -> str:
+    """The first rank's underlying error, on one line."""
+    lines = str(_first_failure(err)).strip().splitlines()
     return lines[0] if lines else type(err).__name__
 
 
@@ -175,9 +185,16 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
     template = state.state_dict()
     loaded = {**template, "trainer": dict(trainer_state)}
+    read_metadata(path)  # refused here, in one line, before DCP sees it
     try:
-        dcp.load(loaded, checkpoint_id=str(path))
+        dcp.load(
+            loaded,
+            storage_reader=RestrictedFileSystemReader(str(path)),
+            planner=WeightsOnlyLoadPlanner(),
+        )
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        if is_user_error(_first_failure(err)):  # e.g. a stored value refused as unsafe
+            raise _first_failure(err) from None
         raise _mismatch(path, _root_cause(err)) from None
     state.load_state_dict({key: loaded[key] for key in template})
     return loaded["trainer"]
