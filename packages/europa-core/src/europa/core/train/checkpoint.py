@@ -108,9 +108,11 @@ def save_checkpoint(
     state: Stateful,
     trainer_state: dict[str, Any],
     keep: int = 0,
+    record: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
-    and the trainer's own state as checkpoint ``step``; every rank calls it."""
+    and the trainer's own state as checkpoint ``step``; every rank calls it.
+    ``record`` goes into the marker, beside the step, for checks before loading."""
     final = step_dir(run_dir, step)
     partial = final.with_name(f".{final.name}.partial")
     if _is_main():
@@ -120,7 +122,7 @@ def save_checkpoint(
     dcp.save({**state.state_dict(), "trainer": trainer_state}, checkpoint_id=str(partial))
     _barrier()
     if _is_main():
-        (partial / MARKER).write_text(json.dumps({"step": step}) + "\n")
+        (partial / MARKER).write_text(json.dumps({"step": step, **(record or {})}) + "\n")
         shutil.rmtree(final, ignore_errors=True)
         partial.rename(final)
         _prune(run_dir, keep)

@@ -25,8 +25,9 @@ from europa.core.run_dir import (
     worker_error_file,
 )
 from europa.core.train.batches import build_batches
-from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume
+from europa.core.train.checkpoint import MARKER, check_compatible, checkpoint_to_resume
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.global_batch import check_global_batch
 from europa.core.train.resources import check_fits
 
 WORKER_MODULE = "europa.core.train.worker"
@@ -60,6 +61,7 @@ def preflight(
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
+        check_global_batch(path, MARKER, config.training, world_size)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec

@@ -33,6 +33,8 @@ from europa.core.train.distributed import (
     shutdown,
 )
 from europa.core.train.evaluate import validation_metrics
+from europa.core.train.global_batch import KEY as GLOBAL_BATCH
+from europa.core.train.global_batch import check_global_batch, global_batch
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -119,6 +121,7 @@ class Trainer:
 
     def restore(self) -> int:
         _, path = checkpoint.checkpoint_to_resume(self.job.run_dir, self.job.config.training.steps)
+        check_global_batch(path, checkpoint.MARKER, self.job.config.training, self.job.world_size)
         state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
         return int(state["step"])
@@ -130,6 +133,7 @@ class Trainer:
             self.state,
             self._trainer_state(step),
             keep=self.job.config.checkpoint.keep,
+            record={GLOBAL_BATCH: global_batch(self.job.config.training, self.job.world_size)},
         )
 
     # -- one step -------------------------------------------------------------------------
