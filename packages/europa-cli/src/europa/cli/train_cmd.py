@@ -9,10 +9,18 @@ from typing import Annotated
 
 import typer
 
+from europa.cli.nodes_options import (
+    MaxRestartsOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    RdzvEndpointOpt,
+    RdzvTimeoutOpt,
+)
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
 from europa.core.plugins import EuropaPluginManager
 from europa.core.run_dir import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
+from europa.core.train.nodes import RDZV_TIMEOUT_SECONDS, Nodes
 
 
 def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
@@ -37,6 +45,11 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
                 "--resume", help="Continue the run in --run-dir from its last checkpoint."
             ),
         ] = False,
+        nnodes: NnodesOpt = 1,
+        node_rank: NodeRankOpt = 0,
+        rdzv_endpoint: RdzvEndpointOpt = None,
+        rdzv_timeout: RdzvTimeoutOpt = RDZV_TIMEOUT_SECONDS,
+        max_restarts: MaxRestartsOpt = 0,
     ) -> None:
         """Train a model: the tiny preset on 2 local CPU processes by default."""
         if resume and run_dir is None:
@@ -47,7 +60,8 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
         from europa.core.train.launch import train  # torch and torchtitan: only when training
 
-        done = train(resolved, plugins, run_dir=run_dir, resume=resume, nproc=nproc)
+        nodes = Nodes(nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
+        done = train(resolved, plugins, run_dir=run_dir, resume=resume, nproc=nproc, nodes=nodes)
         print(_finished(done), file=sys.stderr)
 
 

@@ -9,14 +9,19 @@ import logging
 import os
 import shutil
 import sys
-import uuid
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed
+from europa.core.errors import (
+    LaunchedRunError,
+    LaunchError,
+    RendezvousTimedOut,
+    WorkerFailed,
+)
 from europa.core.job import Job
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
+    CONFIG_FILE,
     SUMMARY_FILE,
     WORKER_ERRORS,
     check_run_dir,
@@ -28,7 +33,9 @@ from europa.core.train.batches import build_batches
 from europa.core.train.checkpoint import MARKER, check_compatible, checkpoint_to_resume
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
 from europa.core.train.global_batch import check_global_batch
+from europa.core.train.nodes import Nodes
 from europa.core.train.resources import check_fits
+from europa.core.train.restart import is_restart, resumes
 
 WORKER_MODULE = "europa.core.train.worker"
 # How long a stop signal leaves workers to finish a step and checkpoint
@@ -42,11 +49,13 @@ def preflight(
     world_size: int,
     resume_from: Path | None = None,
     run_dir: Path | None = None,
+    local_ranks: int | None = None,
 ) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later.
 
     With ``run_dir``, also open the data as the workers will, preparing text into the run
-    directory's cache (a directory holding only that cache still counts as new)."""
+    directory's cache (a directory holding only that cache still counts as new).
+    ``local_ranks`` (default: all of them) is how many of the ranks share this machine."""
     import torch
 
     mesh_shape(config.parallel, world_size)
@@ -57,7 +66,8 @@ def preflight(
         config.parallel.device == "auto" and not torch.cuda.is_available()
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
-        check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
+        local = world_size if local_ranks is None else local_ranks
+        check_fits(config, plugins, torch.device("cpu"), world_size, local, model=model)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps)
         check_compatible(path, model)
@@ -79,30 +89,55 @@ def train(
     run_dir: Path | None = None,
     resume: bool = False,
     nproc: int | None = None,
+    nodes: Nodes | None = None,
 ) -> Path:
     """Run ``europa train``; returns the run directory."""
+    nodes = nodes or Nodes()
+    nodes.check()
     place = detect_launcher()
     if place is not None:
-        if nproc is not None:
-            raise LaunchError(
-                f"--nproc = {nproc}: expected no --nproc under {place.source}, which already "
-                f"started {place.world_size} processes"
-            )
+        _refuse_launch_options_under(place, nproc, nodes)
         return _run_as_rank(config, plugins, place, run_dir, resume)
-    world = nproc if nproc is not None else config.parallel.nproc
-    if world < 1:
-        raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
+    per_node = nproc if nproc is not None else config.parallel.nproc
+    if per_node < 1:
+        raise LaunchError(f"--nproc = {per_node}: expected an integer >= 1")
+    if nodes.several and run_dir is None:
+        raise LaunchError(
+            f"--nnodes = {nodes.count}: expected --run-dir, a directory every node shares"
+        )
+    world = per_node * nodes.count
     run_dir = run_dir or default_run_dir(config)
-    check_run_dir(config, run_dir, resume=resume)  # before preflight writes its data cache there
-    preflight(config, plugins, world, resume_from=run_dir if resume else None, run_dir=run_dir)
-    prepare_run_dir(config, run_dir, resume=resume)
-    if world == 1:
+    resume_from = run_dir if resume else None
+    if nodes.prepares_run_dir:
+        check_run_dir(config, run_dir, resume=resume)  # before preflight writes its data cache
+        preflight(config, plugins, world, resume_from, run_dir, local_ranks=per_node)
+        prepare_run_dir(config, run_dir, resume=resume)
+    else:  # node 0 writes the run directory; its workers wait for ours at the rendezvous
+        preflight(config, plugins, world, resume_from, local_ranks=per_node)
+    if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
 
         run_training(config, run_dir, ProcessPlace(0, 1, 0, "single"), plugins, resume=resume)
     else:
-        launch_local_workers(world, run_dir, resume)
+        try:
+            launch_local_workers(per_node, run_dir, resume, nodes)
+        except RendezvousTimedOut:
+            if nodes.prepares_run_dir and not resume:  # nothing ran: the same command may retry
+                (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+            raise
     return run_dir
+
+
+def _refuse_launch_options_under(place: ProcessPlace, nproc: int | None, nodes: Nodes) -> None:
+    given = [f"--nproc = {nproc}"] if nproc is not None else []
+    given += [f"--nnodes = {nodes.count}"] if nodes.count != 1 else []
+    given += [f"--rdzv-endpoint = {nodes.endpoint!r}"] if nodes.endpoint else []
+    given += [f"--max-restarts = {nodes.max_restarts}"] if nodes.max_restarts else []
+    if given:
+        raise LaunchError(
+            f"{given[0]}: expected no launch options under {place.source}, which already "
+            f"started {place.world_size} processes"
+        )
 
 
 def _run_as_rank(config, plugins, place, run_dir, resume) -> Path:
@@ -111,7 +146,8 @@ def _run_as_rank(config, plugins, place, run_dir, resume) -> Path:
     mesh_shape(config.parallel, place.world_size)
     if run_dir is None:
         run_dir = default_run_dir(config)
-    if place.rank == 0:
+    resume = resumes(run_dir, resume)
+    if place.rank == 0 and (resume or not is_restart()):  # a fresh restart reuses its files
         prepare_run_dir(config, run_dir, resume=resume)
     run_training(config, run_dir, place, plugins, resume=resume)
     return run_dir
@@ -121,27 +157,33 @@ def _threads_per_worker(nproc: int) -> int:
     return max(1, (os.cpu_count() or 1) // nproc)
 
 
-def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
-    """N worker processes on this machine via torch.distributed's elastic launcher.
+def launch_local_workers(
+    nproc: int, run_dir: Path, resume: bool, nodes: Nodes | None = None
+) -> None:
+    """N worker processes on this machine via torch.distributed's elastic launcher,
+    joined with the other nodes' workers when ``nodes`` has several.
 
     A stop signal to this process (SIGTERM, SIGUSR1, ...) is passed on to the
     workers, which finish their step and checkpoint (see ``train.stop``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc)))
     # The elastic agent logs every worker exit at ERROR with a traceback; the
     # worker has already printed its one-line error, and we raise WorkerFailed.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    nodes = nodes or Nodes()
     launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
         nproc_per_node=nproc,
-        run_id=f"europa-{uuid.uuid4().hex[:8]}",
+        run_id=nodes.run_id(run_dir),
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        rdzv_endpoint=nodes.endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs=nodes.rdzv_configs(),
+        max_restarts=nodes.max_restarts,
         monitor_interval=0.1,
         signals_to_handle="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
         shutdown_timeout=STOP_GRACE_SECONDS,
@@ -151,6 +193,12 @@ def launch_local_workers(nproc: int, run_dir: Path, resume: bool) -> None:
     shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
     try:
         elastic_launch(launch, sys.executable)(*args)
+    except RendezvousTimeoutError:
+        raise RendezvousTimedOut(
+            f"--rdzv-endpoint = {launch.rdzv_endpoint!r}: not every one of the {nodes.count} "
+            f"nodes joined within {nodes.rdzv_timeout} s; expected `europa train` on each node "
+            "with the same --nnodes, --rdzv-endpoint and --run-dir"
+        ) from None
     except ChildFailedError as err:
         rank, failure = err.get_first_failure()
         report = worker_error_file(run_dir, rank)

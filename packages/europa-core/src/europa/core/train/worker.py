@@ -21,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         from europa.core.session import load_run_config
         from europa.core.train.distributed import detect_launcher
         from europa.core.train.loop import run_training
+        from europa.core.train.restart import resumes
 
         config, plugins = load_run_config(args.run_dir)
         place = detect_launcher()
@@ -31,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        run_training(config, args.run_dir, place, plugins, resume=args.resume)
+        resume = resumes(args.run_dir, args.resume)  # also after an elastic restart
+        run_training(config, args.run_dir, place, plugins, resume=resume)
     except Exception as err:
         if not is_user_error(err):
             raise
