@@ -94,7 +94,7 @@ def train(
     """Run ``europa train``; returns the run directory."""
     nodes = nodes or Nodes()
     nodes.check()
-    place = detect_launcher()
+    place = launcher_place(nproc, nodes)
     if place is not None:
         _refuse_launch_options_under(place, nproc, nodes)
         return _run_as_rank(config, plugins, place, run_dir, resume)
@@ -126,6 +126,19 @@ def train(
                 (run_dir / CONFIG_FILE).unlink(missing_ok=True)
             raise
     return run_dir
+
+
+def launcher_place(
+    nproc: int | None, nodes: Nodes, environ: dict[str, str] | None = None
+) -> ProcessPlace | None:
+    """The rank torchrun or SLURM gave this process, or None when this process launches
+    workers itself: started alone, or under SLURM with launch options (one ``europa train``
+    per node, through ``srun``, each starting its node's ``--nproc`` workers)."""
+    env = dict(os.environ if environ is None else environ)
+    asks_to_launch = nproc is not None or nodes != Nodes(rdzv_timeout=nodes.rdzv_timeout)
+    if asks_to_launch and "RANK" not in env:
+        return None
+    return detect_launcher(env)
 
 
 def _refuse_launch_options_under(place: ProcessPlace, nproc: int | None, nodes: Nodes) -> None:
