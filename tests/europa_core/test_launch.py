@@ -82,3 +82,36 @@ def test_under_torchrun_each_rank_trains_as_the_rank_it_was_given(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert "2 rank(s), mesh dp_replicate=1 × dp_shard=2 × ep=1" in done.stderr
+
+
+SLURM_TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODEID": "1"}
+
+
+def test_under_slurm_launch_options_make_this_process_the_nodes_launcher():
+    from europa.core.train.launch import launcher_place
+    from europa.core.train.nodes import Nodes
+
+    two_nodes = Nodes(2, 1, "node0:29500")
+    assert launcher_place(None, two_nodes, SLURM_TASK) is None  # no MASTER_ADDR needed
+    assert launcher_place(4, Nodes(), SLURM_TASK) is None
+    with pytest.raises(LaunchError, match="MASTER_ADDR is not set under slurm"):
+        launcher_place(None, Nodes(), SLURM_TASK)  # srun europa train: one task per rank
+    torchrun = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    assert launcher_place(4, Nodes(), torchrun) == ProcessPlace(0, 2, 0, "torchrun")
+
+
+@pytest.mark.parametrize(
+    ("nodes", "message"),
+    [
+        (dict(count=2), "--nnodes = 2: expected --rdzv-endpoint HOST:PORT"),
+        (dict(count=2, rank=2, endpoint="h:1"), "--node-rank = 2: expected 0 <= node rank"),
+        (dict(count=2, endpoint="h"), "--rdzv-endpoint = 'h': expected HOST:PORT"),
+        (dict(count=2, endpoint="h:70000"), "--rdzv-endpoint = 'h:70000': expected HOST:PORT"),
+    ],
+)
+def test_inconsistent_node_options_are_one_line(nodes, message):
+    from europa.core.train.nodes import Nodes
+
+    with pytest.raises(LaunchError) as err:
+        Nodes(**nodes).check()
+    assert str(err.value).startswith(message)

@@ -9,11 +9,19 @@ from typing import Annotated
 
 import typer
 
+from europa.cli.nodes_options import (
+    MaxRestartsOpt,
+    NnodesOpt,
+    NodeRankOpt,
+    RdzvEndpointOpt,
+    RdzvTimeoutOpt,
+)
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
 from europa.core.errors import ConfigError
 from europa.core.plugins import EuropaPluginManager
 from europa.core.run_dir import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
+from europa.core.train.nodes import RDZV_TIMEOUT_SECONDS, Nodes
 
 
 def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
@@ -46,6 +54,11 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
                 "the newest intact one.",
             ),
         ] = False,
+        nnodes: NnodesOpt = 1,
+        node_rank: NodeRankOpt = 0,
+        rdzv_endpoint: RdzvEndpointOpt = None,
+        rdzv_timeout: RdzvTimeoutOpt = RDZV_TIMEOUT_SECONDS,
+        max_restarts: MaxRestartsOpt = 0,
     ) -> None:
         """Train a model: the tiny preset on 2 local CPU processes by default."""
         if resume_from_older and not resume:
@@ -63,6 +76,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
         from europa.core.train.launch import train  # torch and torchtitan: only when training
 
+        nodes = Nodes(nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
         done = train(
             resolved,
             plugins,
@@ -70,6 +84,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             resume=resume,
             nproc=nproc,
             from_older=resume_from_older,
+            nodes=nodes,
         )
         print(_finished(done), file=sys.stderr)
 

@@ -42,6 +42,10 @@ class CheckpointError(EuropaError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+class RendezvousTimedOut(LaunchError):
+    """Not every node joined the rendezvous in time; nothing was trained."""
+
+
 class LaunchedRunError(EuropaError):
     """A user-facing error that a local worker hit, reported once by the launcher."""
 

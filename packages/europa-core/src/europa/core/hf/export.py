@@ -30,6 +30,11 @@ from europa.core.errors import CheckpointError, ConfigError
 from europa.core.hf.config_map import check_exportable, hf_config_from_model
 from europa.core.hf.names import Source, hf_tensors, name_map
 from europa.core.hf.reader import INDEX
+from europa.core.train.checkpoint_reader import (
+    RestrictedFileSystemReader,
+    WeightsOnlyLoadPlanner,
+    read_metadata,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -80,7 +85,7 @@ def _plan_files(sources: list[Source], itemsize: int, max_bytes: int) -> list[_F
 
 def _check_checkpoint(path: Path, shapes: dict[str, torch.Size]) -> set[str]:
     """The model tensors the checkpoint holds, each with the shape the config gives it."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     present = set()
     for name, shape in shapes.items():
         entry = saved.get(f"model.{name}")
@@ -122,7 +127,12 @@ def _read_file(path: Path, file: _File, shapes, present: set[str]) -> dict[str, 
     if state:
         with warnings.catch_warnings():  # one process on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, checkpoint_id=str(path), no_dist=True)
+            dcp.load(
+                state,
+                storage_reader=RestrictedFileSystemReader(str(path)),
+                planner=WeightsOnlyLoadPlanner(),
+                no_dist=True,
+            )
     out = {}
     for name, run in runs.items():
         local = locals_.get(name)

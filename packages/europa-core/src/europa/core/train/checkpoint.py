@@ -29,8 +29,13 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from europa.core.errors import CheckpointError, ConfigError
+from europa.core.errors import CheckpointError, ConfigError, is_user_error
 from europa.core.run_dir import CHECKPOINTS
+from europa.core.train.checkpoint_reader import (
+    RestrictedFileSystemReader,
+    WeightsOnlyLoadPlanner,
+    read_metadata,
+)
 from europa.core.train.faults import root_exception
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -181,12 +186,14 @@ def save_checkpoint(
     state: Stateful,
     trainer_state: dict[str, Any],
     keep: int = 0,
+    record: dict[str, Any] | None = None,
 ) -> Path:
     """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
     and the trainer's own state as checkpoint ``step``; every rank calls it.
 
     A full disk (on any rank) removes the partial checkpoint and raises a
-    CheckpointError on every rank; earlier checkpoints are untouched."""
+    CheckpointError on every rank; earlier checkpoints are untouched. ``record`` goes
+    into the marker, beside the step, for checks before loading."""
     final = step_dir(run_dir, step)
     partial = final.with_name(f".{final.name}.partial")
     if _is_main():
@@ -202,7 +209,7 @@ def save_checkpoint(
         if failure is None:
             raise
     else:
-        failure = _finish(run_dir, partial, final, step, keep) if _is_main() else None
+        failure = _finish(run_dir, partial, final, step, keep, record) if _is_main() else None
         failure = _from_main(failure)
     if failure is not None:
         if _is_main():
@@ -234,12 +241,16 @@ def _is_disk_full(err: BaseException, where: Path) -> bool:
     return stats.f_bavail * stats.f_frsize < _NEARLY_FULL_BYTES
 
 
-def _finish(run_dir: Path, partial: Path, final: Path, step: int, keep: int) -> str | None:
+def _finish(
+    run_dir: Path, partial: Path, final: Path, step: int, keep: int, record: dict | None
+) -> str | None:
     """Rank 0, once every rank has written: the marker, the rename, pruning. Returns
     what went wrong when the disk is full, else None."""
     sizes = {file.name: file.stat().st_size for file in partial.iterdir() if file.is_file()}
     try:
-        (partial / MARKER).write_text(json.dumps({"step": step, "files": sizes}) + "\n")
+        (partial / MARKER).write_text(
+            json.dumps({"step": step, "files": sizes, **(record or {})}) + "\n"
+        )
     except OSError as err:
         if not _is_disk_full(err, partial):
             raise
@@ -280,7 +291,7 @@ def _mismatch(path: Path, detail: str) -> CheckpointError:
 def check_compatible(path: Path, model: torch.nn.Module) -> None:
     """Compare the checkpoint's recorded parameter shapes with ``model`` (which
     may still be on the meta device) without reading any tensor data."""
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = read_metadata(path).state_dict_metadata
     saved_params = {
         key.removeprefix("model."): entry.size
         for key, entry in saved.items()
@@ -312,9 +323,16 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
     template = state.state_dict()
     loaded = {**template, "trainer": dict(trainer_state)}
+    read_metadata(path)  # refused here, in one line, before DCP sees it
     try:
-        dcp.load(loaded, checkpoint_id=str(path))
+        dcp.load(
+            loaded,
+            storage_reader=RestrictedFileSystemReader(str(path)),
+            planner=WeightsOnlyLoadPlanner(),
+        )
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        if is_user_error(root_exception(err)):  # e.g. a stored value refused as unsafe
+            raise root_exception(err) from None
         raise _mismatch(path, _root_cause(err)) from None
     state.load_state_dict({key: loaded[key] for key in template})
     return loaded["trainer"]

@@ -121,10 +121,12 @@ def init_distributed(
     # A lone process rendezvous with itself on a free local port; launched ranks
     # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.
     init_method = f"tcp://127.0.0.1:{free_port()}" if place.source == "single" else "env://"
+    store = restarted_group_store(place.world_size)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=pick_backend(parallel, device),
-            init_method=init_method,
+            init_method=None if store is not None else init_method,
+            store=store,
             rank=place.rank,
             world_size=place.world_size,
             device_id=device if device.type == "cuda" else None,
@@ -133,6 +135,29 @@ def init_distributed(
         )
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=MESH_AXES)
     return device, mesh
+
+
+def restarted_group_store(world_size: int, environ: dict[str, str] | None = None):
+    """The store of a worker group that torch's elastic agent restarted, under a prefix of
+    its own; None for a first attempt or a store this group hosts itself.
+
+    The agent keeps one TCP store across restarts (``TORCHELASTIC_USE_AGENT_STORE``) and
+    the process group's keys carry no attempt number, so without a prefix a restarted
+    rank can read the failed group's keys, e.g. a dead peer's address, and fail to connect."""
+    env = os.environ if environ is None else environ
+    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+    if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    from torch.distributed.constants import default_pg_timeout
+
+    agent_store = dist.TCPStore(
+        env["MASTER_ADDR"],
+        int(env["MASTER_PORT"]),
+        world_size,
+        is_master=False,
+        timeout=default_pg_timeout,
+    )
+    return dist.PrefixStore(f"europa/attempt-{attempt}", agent_store)
 
 
 def data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int]:

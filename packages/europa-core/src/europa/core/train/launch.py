@@ -9,17 +9,23 @@ import logging
 import os
 import shutil
 import sys
-import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from europa.core.config import EuropaConfig
-from europa.core.errors import LaunchedRunError, LaunchError, WorkerFailed, is_user_error
+from europa.core.errors import (
+    LaunchedRunError,
+    LaunchError,
+    RendezvousTimedOut,
+    WorkerFailed,
+    is_user_error,
+)
 from europa.core.job import Job
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
+    CONFIG_FILE,
     PROGRESS,
     SUMMARY_FILE,
     WORKER_ERRORS,
@@ -30,10 +36,18 @@ from europa.core.run_dir import (
 )
 from europa.core.train.batches import build_batches
 from europa.core.train.casualty import WORKER_MODULE, describe_failure, next_step
-from europa.core.train.checkpoint import check_compatible, checkpoint_to_resume, latest_checkpoint
+from europa.core.train.checkpoint import (
+    MARKER,
+    check_compatible,
+    checkpoint_to_resume,
+    latest_checkpoint,
+)
 from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.global_batch import check_global_batch
 from europa.core.train.interrupt import ForwardedInterrupts
+from europa.core.train.nodes import Nodes
 from europa.core.train.resources import check_fits
+from europa.core.train.restart import is_restart, resumes
 
 # How long a stop signal leaves workers to finish a step and checkpoint
 # before the launcher kills them.
@@ -47,11 +61,13 @@ def preflight(
     resume_from: Path | None = None,
     run_dir: Path | None = None,
     from_older: bool = False,
+    local_ranks: int | None = None,
 ) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later.
 
     With ``run_dir``, also open the data as the workers will, preparing text into the run
-    directory's cache (a directory holding only that cache still counts as new)."""
+    directory's cache (a directory holding only that cache still counts as new).
+    ``local_ranks`` (default: all of them) is how many of the ranks share this machine."""
     import torch
 
     mesh_shape(config.parallel, world_size)
@@ -62,7 +78,8 @@ def preflight(
         config.parallel.device == "auto" and not torch.cuda.is_available()
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
-        check_fits(config, plugins, torch.device("cpu"), world_size, world_size, model=model)
+        local = world_size if local_ranks is None else local_ranks
+        check_fits(config, plugins, torch.device("cpu"), world_size, local, model=model)
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps, from_older=from_older)
         newest = latest_checkpoint(resume_from)
@@ -72,6 +89,7 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
+        check_global_batch(path, MARKER, config.training, world_size)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec
@@ -90,35 +108,74 @@ def train(
     resume: bool = False,
     nproc: int | None = None,
     from_older: bool = False,
+    nodes: Nodes | None = None,
 ) -> Path:
     """Run ``europa train``; returns the run directory. ``from_older``: on resume, fall
     back to the newest intact checkpoint when newer ones are damaged."""
-    place = detect_launcher()
+    nodes = nodes or Nodes()
+    nodes.check()
+    place = launcher_place(nproc, nodes)
     if place is not None:
-        if nproc is not None:
-            raise LaunchError(
-                f"--nproc = {nproc}: expected no --nproc under {place.source}, which already "
-                f"started {place.world_size} processes"
-            )
+        _refuse_launch_options_under(place, nproc, nodes)
         return _run_as_rank(config, plugins, place, run_dir, resume, from_older)
-    world = nproc if nproc is not None else config.parallel.nproc
-    if world < 1:
-        raise LaunchError(f"--nproc = {world}: expected an integer >= 1")
+    per_node = nproc if nproc is not None else config.parallel.nproc
+    if per_node < 1:
+        raise LaunchError(f"--nproc = {per_node}: expected an integer >= 1")
+    if nodes.several and run_dir is None:
+        raise LaunchError(
+            f"--nnodes = {nodes.count}: expected --run-dir, a directory every node shares"
+        )
+    world = per_node * nodes.count
     run_dir = run_dir or default_run_dir(config)
-    # before preflight writes its data cache there
-    check_run_dir(config, run_dir, resume=resume, from_older=from_older)
     resume_from = run_dir if resume else None
-    with _undone_on_bad_input(run_dir):
-        preflight(config, plugins, world, resume_from, run_dir=run_dir, from_older=from_older)
-    prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
-    if world == 1:
+    if nodes.prepares_run_dir:
+        # before preflight writes its data cache there
+        check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+        with _undone_on_bad_input(run_dir):
+            preflight(
+                config, plugins, world, resume_from, run_dir, from_older, local_ranks=per_node
+            )
+        prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
+    else:  # node 0 writes the run directory; its workers wait for ours at the rendezvous
+        preflight(config, plugins, world, resume_from, None, from_older, local_ranks=per_node)
+    if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
 
         place = ProcessPlace(0, 1, 0, "single")
         run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
     else:
-        launch_local_workers(world, run_dir, resume, from_older=from_older)
+        try:
+            launch_local_workers(per_node, run_dir, resume, nodes, from_older=from_older)
+        except RendezvousTimedOut:
+            if nodes.prepares_run_dir and not resume:  # nothing ran: the same command may retry
+                (run_dir / CONFIG_FILE).unlink(missing_ok=True)
+            raise
     return run_dir
+
+
+def launcher_place(
+    nproc: int | None, nodes: Nodes, environ: dict[str, str] | None = None
+) -> ProcessPlace | None:
+    """The rank torchrun or SLURM gave this process, or None when this process launches
+    workers itself: started alone, or under SLURM with launch options (one ``europa train``
+    per node, through ``srun``, each starting its node's ``--nproc`` workers)."""
+    env = dict(os.environ if environ is None else environ)
+    asks_to_launch = nproc is not None or nodes != Nodes(rdzv_timeout=nodes.rdzv_timeout)
+    if asks_to_launch and "RANK" not in env:
+        return None
+    return detect_launcher(env)
+
+
+def _refuse_launch_options_under(place: ProcessPlace, nproc: int | None, nodes: Nodes) -> None:
+    given = [f"--nproc = {nproc}"] if nproc is not None else []
+    given += [f"--nnodes = {nodes.count}"] if nodes.count != 1 else []
+    given += [f"--rdzv-endpoint = {nodes.endpoint!r}"] if nodes.endpoint else []
+    given += [f"--max-restarts = {nodes.max_restarts}"] if nodes.max_restarts else []
+    if given:
+        raise LaunchError(
+            f"{given[0]}: expected no launch options under {place.source}, which already "
+            f"started {place.world_size} processes"
+        )
 
 
 @contextmanager
@@ -157,7 +214,8 @@ def _run_as_rank(config, plugins, place, run_dir, resume, from_older) -> Path:
     mesh_shape(config.parallel, place.world_size)
     if run_dir is None:
         run_dir = default_run_dir(config)
-    if place.rank == 0:
+    resume = resumes(run_dir, resume)
+    if place.rank == 0 and (resume or not is_restart()):  # a fresh restart reuses its files
         prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
     run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
     return run_dir
@@ -168,29 +226,38 @@ def _threads_per_worker(nproc: int) -> int:
 
 
 def launch_local_workers(
-    nproc: int, run_dir: Path, resume: bool, *, from_older: bool = False
+    nproc: int,
+    run_dir: Path,
+    resume: bool,
+    nodes: Nodes | None = None,
+    *,
+    from_older: bool = False,
 ) -> None:
-    """N worker processes on this machine via torch.distributed's elastic launcher.
+    """N worker processes on this machine via torch.distributed's elastic launcher,
+    joined with the other nodes' workers when ``nodes`` has several.
 
     A stop signal to this process (SIGTERM, SIGUSR1, Ctrl-C, ...) is passed on to the
     workers, which finish their step and checkpoint (see ``train.stop``); a second Ctrl-C
     kills them at once (see ``train.interrupt``)."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousTimeoutError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads_per_worker(nproc)))
     # The elastic agent logs every worker exit at ERROR with a traceback; the
     # worker has already printed its one-line error, and we raise WorkerFailed.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    nodes = nodes or Nodes()
     launch = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
+        min_nodes=nodes.count,
+        max_nodes=nodes.count,
         nproc_per_node=nproc,
-        run_id=f"europa-{uuid.uuid4().hex[:8]}",
+        run_id=nodes.run_id(run_dir),
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{free_port()}",
-        max_restarts=0,
+        rdzv_endpoint=nodes.endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_configs=nodes.rdzv_configs(),
+        max_restarts=nodes.max_restarts,
         monitor_interval=0.1,
         signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # SIGINT: ForwardedInterrupts
         shutdown_timeout=STOP_GRACE_SECONDS,
@@ -209,6 +276,12 @@ def launch_local_workers(
             raise
         raise WorkerFailed(
             f"stopped at once by a second Ctrl-C (SIGINT); {next_step(run_dir)}", 130
+        ) from None
+    except RendezvousTimeoutError:
+        raise RendezvousTimedOut(
+            f"--rdzv-endpoint = {launch.rdzv_endpoint!r}: not every one of the {nodes.count} "
+            f"nodes joined within {nodes.rdzv_timeout} s; expected `europa train` on each node "
+            "with the same --nnodes, --rdzv-endpoint and --run-dir"
         ) from None
     except ChildFailedError as err:
         rank, _ = err.get_first_failure()

@@ -34,6 +34,8 @@ from europa.core.train.distributed import (
 )
 from europa.core.train.evaluate import validation_metrics
 from europa.core.train.faults import reporting_faults
+from europa.core.train.global_batch import KEY as GLOBAL_BATCH
+from europa.core.train.global_batch import check_global_batch, global_batch
 from europa.core.train.nonfinite import SkippedSteps
 from europa.core.train.progress import RankProgress
 from europa.core.train.resources import check_fits
@@ -139,6 +141,7 @@ class Trainer:
         _, path = checkpoint.agreed_checkpoint_to_resume(
             self.job.run_dir, self.job.config.training.steps, from_older=self.from_older
         )
+        check_global_batch(path, checkpoint.MARKER, self.job.config.training, self.job.world_size)
         state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped.count = int(state["skipped_steps"])
@@ -152,6 +155,7 @@ class Trainer:
             self.state,
             self._trainer_state(step),
             keep=self.job.config.checkpoint.keep,
+            record={GLOBAL_BATCH: global_batch(self.job.config.training, self.job.world_size)},
         )
 
     # -- one step -------------------------------------------------------------------------

@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
         from europa.core.session import load_run_config
         from europa.core.train.distributed import detect_launcher
         from europa.core.train.loop import run_training
+        from europa.core.train.restart import resumes
 
         config, plugins = load_run_config(args.run_dir)
         place = detect_launcher()
@@ -36,13 +37,9 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+        resume = resumes(args.run_dir, args.resume)  # also after an elastic restart
         run_training(
-            config,
-            args.run_dir,
-            place,
-            plugins,
-            resume=args.resume,
-            from_older=args.resume_from_older,
+            config, args.run_dir, place, plugins, resume=resume, from_older=args.resume_from_older
         )
     except WorkerFailed as err:  # lost contact with a rank that died: the launcher names it
         print(f"europa: error (worker): {err}", file=sys.stderr)

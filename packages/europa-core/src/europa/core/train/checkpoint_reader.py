@@ -1,0 +1,148 @@
+"""Reading a checkpoint someone else wrote without running their code.
+
+A DCP checkpoint holds two kinds of pickle: ``.metadata`` (torch reads it with plain
+``pickle.load``) and, inside the ``.distcp`` shard files, every non-tensor value
+(optimizer hyperparameters, the trainer's step and schedule; torch's default load
+planner reads them with ``torch.load(weights_only=False)``). Tensors in the shard files
+are read by torch with ``torch.load(weights_only=True)``.
+
+Here ``.metadata`` goes through an unpickler that admits only the classes torch 2.13
+writes into it (found in checkpoints of FSDP2 and FlexShard runs with AdamW and Muon,
+on 1 and 2 ranks, expert-parallel and not) and plain containers; non-tensor values go
+through ``torch.load(weights_only=True)``; and every shard file the metadata names must
+be a file inside the checkpoint folder. Anything else is refused in one line before it
+is built.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import ReadItem
+
+from europa.core.errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+
+_METADATA_CLASSES = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "StorageMeta",
+        "MetadataIndex",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, from a fixed table
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id
+}
+
+
+def _is_torch_constant(module: str, name: str) -> bool:
+    """``torch.float32`` and the like: dtypes, memory formats and layouts are constants."""
+    if module != "torch":
+        return False
+    value = getattr(torch, name, None)
+    return isinstance(value, torch.dtype | torch.memory_format | torch.layout)
+
+
+class _RefusedGlobal(Exception):
+    pass
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_CLASSES or _is_torch_constant(module, name):
+            return super().find_class(module, name)
+        raise _RefusedGlobal(f"{module}.{name}")
+
+
+def read_metadata(checkpoint: Path) -> Metadata:
+    """The checkpoint's DCP metadata, read without running anything it names."""
+    file = checkpoint / METADATA_FILE
+    try:
+        with file.open("rb") as stream:
+            metadata = _MetadataUnpickler(stream).load()
+    except _RefusedGlobal as err:
+        raise CheckpointError(
+            f"checkpoint metadata {str(file)!r} asks to load {err}, which is not checkpoint "
+            "metadata; refused without running it (expected only torch.distributed."
+            "checkpoint's metadata classes)"
+        ) from None
+    except OSError as err:
+        raise CheckpointError(
+            f"checkpoint metadata {str(file)!r}: {err.strerror or err}; expected a readable file"
+        ) from None
+    except Exception as err:  # a damaged pickle can fail in many ways
+        raise CheckpointError(
+            f"checkpoint metadata {str(file)!r} is damaged ({type(err).__name__}: "
+            f"{str(err).splitlines()[0] if str(err) else 'no detail'}); expected the file DCP wrote"
+        ) from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(
+            f"checkpoint metadata {str(file)!r} holds a {type(metadata).__name__}; "
+            "expected torch.distributed.checkpoint Metadata"
+        )
+    _check_shard_files(file, metadata)
+    return metadata
+
+
+def _check_shard_files(file: Path, metadata: Metadata) -> None:
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or PurePosixPath(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(
+                f"checkpoint metadata {str(file)!r} names the shard file {name!r}; expected a "
+                "file name inside the checkpoint folder"
+            )
+
+
+class RestrictedFileSystemReader(FileSystemReader):
+    """DCP's file system reader with ``read_metadata`` through ``read_metadata`` above.
+    Per-rank metadata files (``__N.metadata``, never written by europa) are refused."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:
+            raise CheckpointError(
+                f"checkpoint {str(self.path)!r}: per-rank metadata is not read; expected "
+                f"a {METADATA_FILE} file"
+            )
+        metadata = read_metadata(Path(self.path))
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor values are read with
+    ``torch.load(weights_only=True)`` (plain values, containers and tensors only)."""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            detail = str(err).strip().splitlines()[0]
+            raise CheckpointError(
+                f"checkpoint value {fqn!r} is not plain data ({detail}); refused without "
+                "running it (expected numbers, strings, lists, dicts and tensors)"
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], loaded)
+        else:
+            self.state_dict[fqn] = loaded
