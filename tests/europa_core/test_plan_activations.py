@@ -16,10 +16,12 @@ from europa.core.session import open_session
 TOLERANCE = 0.15  # the issue's bound; the list is built to match exactly
 
 
-def measured_saved_bytes(config, batch: int, seq_len: int) -> dict[str, int]:
+def measured_saved_bytes(
+    config, batch: int, seq_len: int, attention: str = "sdpa"
+) -> dict[str, int]:
     """Distinct storages autograd saves, per block, parameters and buffers excluded."""
     bf16 = config.training.dtype == "bfloat16"
-    model = build_moe_model(config.model, native_dtype_experts=not bf16)
+    model = build_moe_model(config.model, native_dtype_experts=not bf16, attention=attention)
     materialise(model, torch.device("cpu"), 0)
     if bf16:  # as FSDP2 mixed precision hands the blocks bf16 parameters
         for param in model.parameters():
@@ -59,13 +61,30 @@ def measured_saved_bytes(config, batch: int, seq_len: int) -> dict[str, int]:
 def test_saved_activation_estimate_matches_the_saved_tensor_hooks(
     preset, overrides, batch, seq_len
 ):
+    _check_estimate(preset, overrides, batch, seq_len, attention="sdpa", kernel="math")
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "batch", "seq_len"),
+    [
+        ("debug", [], 2, 64),
+        ("debug", ["training.dtype='bfloat16'"], 1, 96),  # 96: blocks of unequal width
+    ],
+)
+def test_block_causal_estimate_matches_the_saved_tensor_hooks(preset, overrides, batch, seq_len):
+    _check_estimate(
+        preset, overrides, batch, seq_len, attention="block_causal", kernel="block_causal"
+    )
+
+
+def _check_estimate(preset, overrides, batch, seq_len, *, attention: str, kernel: str) -> None:
     config, _ = open_session(preset, overrides)
-    measured = measured_saved_bytes(config, batch, seq_len)
+    measured = measured_saved_bytes(config, batch, seq_len, attention)
     dtype_bytes = 2 if config.training.dtype == "bfloat16" else 4
     planned = {
         b.name: b.saved_bytes(batch * seq_len)
         for b in block_activations(
-            config.model, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes
+            config.model, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, kernel=kernel
         )
     }
     assert set(planned) == set(measured)

@@ -2,9 +2,11 @@
 
 torchtitan 0.3.0 assembles the model from per-layer configs
 (``build_mla_moe_layers``). We keep its layers, init and parameter names and
-swap two leaves for CPU training: SDPA causal attention instead of
-FlexAttention (which has no CPU backward), and, for fp32 runs, routed experts
-that do not cast to bf16.
+swap two leaves for CPU training: causal attention without FlexAttention
+(which has no CPU backward), and, for fp32 runs, routed experts that do not
+cast to bf16. The attention is SDPA (``attention="sdpa"``: fused kernels on
+CUDA) or ``BlockCausalAttention`` (``"block_causal"``: what CPU runs use, as
+SDPA's CPU path for MLA computes the masked half of the scores too).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 
 from europa.core.config.schema import ModelConfig
 from europa.core.model import init
+from europa.core.model.attention import BlockCausalAttention
 from europa.core.model.experts import NativeDtypeGroupedExperts
 
 
@@ -35,7 +38,20 @@ def _rope(m: ModelConfig) -> ComplexRoPE.Config:
     )
 
 
-def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeekV3Model.Config:
+ATTENTION_KINDS = ("sdpa", "block_causal")
+
+
+def _inner_attention(kind: str):
+    if kind == "sdpa":
+        return ScaledDotProductAttention.Config()
+    if kind == "block_causal":
+        return BlockCausalAttention.Config()
+    raise ValueError(f"attention = {kind!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+
+
+def model_spec(
+    m: ModelConfig, *, native_dtype_experts: bool = True, attention: str = "sdpa"
+) -> DeepSeekV3Model.Config:
     """The torchtitan config tree for ``[model]``."""
     groups = m.num_expert_groups or None
     layers = build_mla_moe_layers(
@@ -69,7 +85,7 @@ def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeek
         depth_experts_init=init.depth_experts_init,
     )
     for layer in layers:
-        layer.attention.inner_attention = ScaledDotProductAttention.Config()
+        layer.attention.inner_attention = _inner_attention(attention)
         for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.kv_norm):
             norm.eps = m.norm_eps
         if layer.attention.q_norm is not None:
@@ -99,7 +115,10 @@ def model_spec(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeek
     )
 
 
-def build_moe_model(m: ModelConfig, *, native_dtype_experts: bool = True) -> DeepSeekV3Model:
+def build_moe_model(
+    m: ModelConfig, *, native_dtype_experts: bool = True, attention: str = "sdpa"
+) -> DeepSeekV3Model:
     """Build on the meta device: no memory is allocated until the trainer materialises it."""
     with torch.device("meta"):
-        return model_spec(m, native_dtype_experts=native_dtype_experts).build()
+        spec = model_spec(m, native_dtype_experts=native_dtype_experts, attention=attention)
+        return spec.build()

@@ -27,6 +27,7 @@ from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.optim.adamw import adamw
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
@@ -107,13 +108,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if group["use_muon"]:
+            stepped = [p for p in group["params"] if p.grad is not None]
+            if group["use_muon"]:
+                for param in stepped:
                     self._muon_update(param, group)
-                else:
-                    self._adamw_update(param, group)
+            elif stepped:
+                self._adamw_update(stepped, group)
         return loss
 
     def _muon_update(self, param: torch.Tensor, group: dict) -> None:
@@ -127,19 +127,30 @@ class MuonWithAdamW(torch.optim.Optimizer):
         param.mul_(1 - group["lr"] * group["weight_decay"])
         param.add_(update, alpha=-group["lr"] * rms_matching_scale(param.shape))
 
-    def _adamw_update(self, param: torch.Tensor, group: dict) -> None:
-        state = self.state[param]
-        if "step" not in state:
-            state["step"] = torch.zeros((), dtype=torch.float32)
-            state["exp_avg"] = torch.zeros_like(param)
-            state["exp_avg_sq"] = torch.zeros_like(param)
+    def _adamw_update(self, params: list[torch.Tensor], group: dict) -> None:
+        """torch's fused AdamW kernel on the whole group: the same update as
+        ``torch.optim.AdamW``, one kernel per tensor."""
+        for param in params:
+            state = self.state[param]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                state["exp_avg"] = torch.zeros_like(param)
+                state["exp_avg_sq"] = torch.zeros_like(param)
+        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
-        state["step"] += 1
-        step = state["step"].item()
-        state["exp_avg"].lerp_(param.grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-        bias1 = 1 - beta1**step
-        bias2 = 1 - beta2**step
-        denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias1)
+        adamw(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            fused=True,
+            amsgrad=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )

@@ -16,6 +16,9 @@ together. What depends on the dtype:
   and v, all in fp32. Fused kernels ("fused", flash / memory-efficient on
   CUDA) keep q, k, v, the output and the fp32 log-sum-exp instead; that list
   follows the kernels' documented saves and has not been measured here.
+  "block_causal" (``europa.core.model.attention``, what CPU runs use) keeps
+  fp32 q, k, v and each query block's probabilities (keys up to the block's
+  end only: about (chunks + 1) / (2 chunks) of the math path's).
 * The router keeps fp32 scores in an fp32 run and compute-dtype ones with bf16
   parameters; the routed expert output is upcast to fp32 before it is scaled.
 """
@@ -62,6 +65,14 @@ def _norm(label: str, width: int, dtype_bytes: int, input_width: int | None = No
     ]
 
 
+def _block_causal_keys(seq_len: int) -> int:
+    """Keys per query, on average over the sequence, that block-causal attention scores."""
+    from europa.core.model.attention import DEFAULT_CHUNKS, chunk_bounds
+
+    bounds = chunk_bounds(seq_len, DEFAULT_CHUNKS)
+    return -(-sum((end - start) * end for start, end in bounds) // seq_len)  # ceil
+
+
 def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) -> list[SavedTensor]:
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     h = m.n_heads
@@ -82,6 +93,13 @@ def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) ->
             SavedTensor("sdpa.k_transposed", h * qk * FP32),
             SavedTensor("sdpa.probabilities", h * seq_len * FP32),
             SavedTensor("sdpa.v", h * v_width * FP32),
+        ]
+    elif kernel == "block_causal":
+        out += [
+            SavedTensor("attention.q", h * qk * FP32),
+            SavedTensor("attention.k", h * qk * FP32),
+            SavedTensor("attention.v", h * m.v_head_dim * FP32),
+            SavedTensor("attention.probabilities", h * _block_causal_keys(seq_len) * FP32),
         ]
     else:
         out += [

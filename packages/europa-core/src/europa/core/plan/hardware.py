@@ -53,7 +53,7 @@ class HardwareProfile:
 
     @property
     def attention_kernel(self) -> str:
-        return "fused" if self.device == "cuda" else "math"
+        return "fused" if self.device == "cuda" else "block_causal"
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)

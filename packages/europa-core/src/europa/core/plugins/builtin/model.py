@@ -5,9 +5,20 @@ from __future__ import annotations
 from europa.core.hookspecs import hookimpl
 
 
+def runs_on_cpu(job) -> bool:
+    """The run's compute device: the job's once known, else what ``[parallel]`` asks for."""
+    if job.device is not None:
+        return job.device.type == "cpu"
+    import torch
+
+    wanted = job.config.parallel.device
+    return wanted == "cpu" or (wanted == "auto" and not torch.cuda.is_available())
+
+
 @hookimpl(trylast=True)
 def europa_build_model(job):
     from europa.core.model import build_moe_model
 
     fp32 = job.config.training.dtype == "float32"
-    return build_moe_model(job.config.model, native_dtype_experts=fp32)
+    attention = "block_causal" if runs_on_cpu(job) else "sdpa"
+    return build_moe_model(job.config.model, native_dtype_experts=fp32, attention=attention)

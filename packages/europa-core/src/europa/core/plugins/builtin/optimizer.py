@@ -25,13 +25,16 @@ def uses_muon(name: str, ndim: int) -> bool:
 def _adamw(params, cfg):
     import torch
 
+    # fused: one kernel per tensor, about 3x less CPU time than the per-tensor Python
+    # path and no group-wide temporaries (foreach allocates a copy of every moment at
+    # once, and on CPU is no faster than the per-tensor path).
     return torch.optim.AdamW(
         params,
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
         weight_decay=cfg.weight_decay,
-        foreach=False,
+        fused=True,
     )
 
 
