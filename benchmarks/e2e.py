@@ -95,6 +95,28 @@ def model_facts(preset: str, seq_len: int) -> dict[str, Any]:
     return {
         "model_flops_per_token": model_flops_per_token(ModelShapes.of(model), m, seq_len),
         "matmuls": sorted(matmuls),
+        "routing": {
+            "top_k": m.top_k,
+            "num_experts": m.num_experts,
+            "shared_experts_hidden_dim": m.num_shared_experts * m.moe_hidden_dim,
+            "score_func": m.score_func,
+            "route_norm": m.route_norm,
+        },
+    }
+
+
+def model_check(configs: list[dict], facts: dict) -> dict[str, Any]:
+    """Whether torchtitan's model, as the launcher builds it, has europa's shape and routing."""
+    counts = {c["config"]: c["parameters"] for c in configs}
+    titan = next((c for c in configs if c["system"] == "torchtitan"), None)
+    routing = {k: v for k, v in titan["routing"].items() if k != "experts_class"} if titan else None
+    return {
+        "parameters": counts,
+        "parameters_equal": len(set(counts.values())) == 1,
+        "europa_routing": facts["routing"],
+        "torchtitan_routing": routing,
+        "routing_equal": routing == facts["routing"],
+        "torchtitan_own_flops_per_token": titan["torchtitan_flops_per_token"] if titan else None,
     }
 
 
@@ -168,6 +190,7 @@ def main() -> None:
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
         "model_flops_per_token": facts["model_flops_per_token"],
+        "model_check": model_check(configs, facts),
         "configs": configs,
         **ratios_and_targets(configs),
     }
