@@ -74,16 +74,20 @@ def _after(first, fn):
     return wrapper
 
 
-def torchtitan_run(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+def torchtitan_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Each of ``args["variants"]`` (name, fp32 experts) in turn, in this process group."""
     from _torchtitan_cpu import run_trainer  # patches torchtitan on import
 
-    return run_trainer(rank, world, args)
+    return {
+        name: run_trainer(rank, world, {**args, "fp32_experts": fp32_experts})
+        for name, fp32_experts in args["variants"]
+    }
 
 
 def matmul_rates(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """fp32 ``torch.mm`` FLOP/s on this rank for each (m, k, n) in ``args["shapes"]``, all
     ranks multiplying at once (a gloo barrier lines them up), at the thread count the
-    benchmark's ranks run with."""
+    benchmark's ranks run with; the best of a few trials, since a peak is what it is for."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -92,12 +96,15 @@ def matmul_rates(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         for m, k, n in args["shapes"]:
             a, b = torch.randn(m, k), torch.randn(k, n)
             torch.mm(a, b)  # warm-up
-            dist.barrier()
-            calls, started = 0, time.perf_counter()
-            while (elapsed := time.perf_counter() - started) < args["seconds_per_shape"]:
-                torch.mm(a, b)
-                calls += 1
-            rates[f"{m}x{k}x{n}"] = 2 * m * k * n * calls / elapsed
+            best = 0.0
+            for _ in range(args["trials"]):
+                dist.barrier()
+                calls, started = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - started) < args["seconds_per_trial"]:
+                    torch.mm(a, b)
+                    calls += 1
+                best = max(best, 2 * m * k * n * calls / elapsed)
+            rates[f"{m}x{k}x{n}"] = best
         return {"threads": torch.get_num_threads(), "flops_per_s": rates}
     finally:
         dist.destroy_process_group()

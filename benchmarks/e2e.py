@@ -6,16 +6,19 @@ fixed global batch (4 × 256 by default: 1 rank × 4 or 2 ranks × 2), the same 
 each rank for both systems. europa runs core FSDP2, ``-p flexshard`` and, at 2 ranks,
 ``-p flexshard`` with ``parallel.ep=2``, each through the Trainer ``europa train`` runs;
 torchtitan runs its Trainer through ``_torchtitan_cpu`` twice, as shipped (routed experts
-cast to bf16) and with its routed experts in fp32. A 1-rank run uses 2 threads, a
-2-rank run 1 thread per rank (what torchrun gives ``--nproc 2``).
+cast to bf16) and with its routed experts in fp32. Each rank gets cores ÷ ranks threads
+(2, and 1 per rank, on 2 cores; torchrun gives ``--nproc 2`` one each).
 
-Per configuration: tokens/s over the timed steps (warm-up steps excluded), the step split
-into forward, backward, optimizer and the rest (clipping, load balance, schedule,
-logging), the exposed communication within them (from a torch.profiler window of a few
-steps after the timed ones), model FLOPs per token (``europa.core.plan.timing``:
-6 × active matmul parameters + causal attention, no recomputation), achieved FLOP/s and
-MFU against the fp32 ``torch.mm`` peak measured in the same run at the model's own
-matmul shapes and thread setting. Then the ratios and the issue's targets.
+Per configuration: tokens/s from the median timed step (warm-up steps excluded; the
+mean beside it, since a shared machine's bursts land in single steps); the step split
+into forward, backward, optimizer step and the rest (clipping, load balance, schedule,
+logging; torchtitan's forward leaves out its output layer and loss, which its chunked
+loss computes, so they count as its backward); the exposed communication within them,
+from a torch.profiler window of a few steps after the timed ones; model FLOPs per
+token (``europa.core.plan.timing``: 6 × active matmul parameters + causal attention,
+no recomputation); achieved FLOP/s and MFU against the fp32 ``torch.mm`` peak measured
+in the same run at the model's own matmul shapes and thread setting. Then the ratios
+and the issue's targets.
 
     python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
 
@@ -36,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _e2e_ranks import europa_runs, matmul_rates, torchtitan_run
+from _e2e_ranks import europa_runs, matmul_rates, torchtitan_runs
 from _e2e_report import markdown_table, ratios_and_targets
 from _harness import run_ranks
 
@@ -121,19 +124,28 @@ def model_check(configs: list[dict], facts: dict) -> dict[str, Any]:
 
 
 def gemm_peak(world: int, tokens_per_rank: int, matmuls: list, seconds: float) -> dict[str, Any]:
+    """Per shape, the FLOP/s of all ranks multiplying at once (summed over ranks)."""
     shapes = sorted({(max(1, round(tokens_per_rank * share)), k, n) for k, n, share in matmuls})
-    ranks = run_ranks(matmul_rates, world, {"shapes": shapes, "seconds_per_shape": seconds})
-    per_shape = {s: sum(r["flops_per_s"][s] for r in ranks) for s in ranks[0]["flops_per_s"]}
+    timing = {"trials": 5, "seconds_per_trial": seconds / 5}
+    ranks = run_ranks(matmul_rates, world, {"shapes": shapes, **timing})
+    rates = {s: sum(r["flops_per_s"][s] for r in ranks) for s in ranks[0]["flops_per_s"]}
+    return {"threads_per_rank": ranks[0]["threads"], "rates": rates}
+
+
+def _peak(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    per_shape = {s: max(before["rates"][s], after["rates"][s]) for s in before["rates"]}
     best = max(per_shape, key=per_shape.get)
     return {
-        "threads_per_rank": ranks[0]["threads"],
+        "threads_per_rank": before["threads_per_rank"],
         "flops_per_s_by_shape_mxkxn": per_shape,
         "peak_flops_per_s": per_shape[best],
-        "peak_shape": best,
+        "peak_shape_mxkxn": best,
     }
 
 
-def run_world(args: argparse.Namespace, world: int, facts: dict, root: str) -> list[dict]:
+def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
+    """The configurations at this many ranks, between two measurements of the matmul
+    peak (the better of the two per shape: a neighbour's burst only lowers a peak)."""
     batch = args.global_batch // world
     overrides = [
         f"training.batch_size={batch}",
@@ -142,42 +154,53 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str) -> l
         f"metrics.log_every={args.log_every}",
         "metrics.progress=false",
     ]
-    peak = gemm_peak(world, batch * args.seq_len, facts["matmuls"], 0.3 if args.quick else 1.0)
+    gemm_seconds = 0.2 if args.quick else 0.5
+    before = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
     timing = {"warmup": args.warmup, "timed": args.steps, "profiled": args.profile_steps}
     layouts = [layout for layout in LAYOUTS if world >= layout["min_world"]]
     europa_args = {"preset": "debug", "overrides": overrides, "layouts": layouts, "root": root}
     europa = run_ranks(europa_runs, world, {**europa_args, **timing})[0]
-    configs = [_config("europa", name, world, batch, r, facts, peak) for name, r in europa.items()]
-    for name, fp32_experts in TORCHTITAN_VARIANTS:
-        titan = run_ranks(torchtitan_run, world, {
-            "preset": "debug", "overrides": overrides[:2], "fp32_experts": fp32_experts,
-            "log_every": args.log_every, "steps": args.warmup + args.steps + args.profile_steps,
-            "data_dir": root, **timing})[0]  # fmt: skip
-        configs.append(_config("torchtitan", name, world, batch, titan, facts, peak))
-    return configs
+    titan_args = {"preset": "debug", "overrides": overrides[:2], "variants": TORCHTITAN_VARIANTS,
+                  "log_every": args.log_every, "data_dir": root,
+                  "steps": args.warmup + args.steps + args.profile_steps}  # fmt: skip
+    titan = run_ranks(torchtitan_runs, world, {**titan_args, **timing})[0]
+    after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
+    peak = _peak(before, after)
+    runs = [("europa", europa), ("torchtitan", titan)]
+    configs = [
+        _config(system, name, world, batch, result, facts, peak["peak_flops_per_s"])
+        for system, results in runs
+        for name, result in results.items()
+    ]
+    return configs, peak
 
 
-def _config(system, name, world, batch, result, facts, peak) -> dict[str, Any]:
+def _config(system, name, world, batch, result, facts, peak_flops) -> dict[str, Any]:
     achieved = result["tokens_per_s"] * facts["model_flops_per_token"]
     return {
         "system": system,
         "config": name,
         "ranks": world,
         "batch_per_rank": batch,
-        **{k: v for k, v in result.items() if k != "operator_table"},
+        **result,
         "achieved_flops_per_s": achieved,
-        "mfu": achieved / peak["peak_flops_per_s"],
-        "gemm": peak,
-        "operator_table": result.get("operator_table"),
+        "mfu": achieved / peak_flops,
     }
 
 
 def main() -> None:
     args = _parse()
     facts = model_facts("debug", args.seq_len)
+    configs, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="e2e-") as root:
-        configs = [c for world in args.worlds for c in run_world(args, world, facts, root)]
-    tables = {f"{c['config']} ({c['ranks']} rank)": c.pop("operator_table") for c in configs}
+        for world in args.worlds:
+            world_configs, peaks[f"{world}_rank"] = run_world(args, world, facts, root)
+            configs += world_configs
+    tables = {
+        f"{c['config']} ({c['ranks']} rank)": c.pop("operator_table")
+        for c in configs
+        if "operator_table" in c
+    }
     result = {
         "benchmark": "e2e",
         "preset": "debug",
@@ -191,6 +214,7 @@ def main() -> None:
         "torch": torch.__version__,
         "model_flops_per_token": facts["model_flops_per_token"],
         "model_check": model_check(configs, facts),
+        "fp32_matmul_peak": peaks,
         "configs": configs,
         **ratios_and_targets(configs),
     }
