@@ -1,0 +1,234 @@
+"""End to end: europa's trainer (every layout) against torchtitan 0.3.0's own Trainer.
+
+One invocation, everything in the same run: the ``debug`` preset (the shape of
+torchtitan's ``deepseek_v3`` debugmodel), fp32, AdamW, no activation checkpointing, a
+fixed global batch (4 × 256 by default: 1 rank × 4 or 2 ranks × 2), the same token ids on
+each rank for both systems. europa runs core FSDP2, ``-p flexshard`` and, at 2 ranks,
+``-p flexshard`` with ``parallel.ep=2``, each through the Trainer ``europa train`` runs;
+torchtitan runs its Trainer through ``_torchtitan_cpu`` twice, as shipped (routed experts
+cast to bf16) and with its routed experts in fp32. Each rank gets cores ÷ ranks threads
+(2, and 1 per rank, on 2 cores; torchrun gives ``--nproc 2`` one each).
+
+Per configuration: tokens/s from the median timed step (warm-up steps excluded; the
+mean beside it, since a shared machine's bursts land in single steps); the step split
+into forward, backward, optimizer step and the rest (clipping, load balance, schedule,
+logging; torchtitan's forward leaves out its output layer and loss, which its chunked
+loss computes, so they count as its backward); the exposed communication within them,
+from a torch.profiler window of a few steps after the timed ones; model FLOPs per
+token (``europa.core.plan.timing``: 6 × active matmul parameters + causal attention,
+no recomputation); achieved FLOP/s and MFU against the fp32 ``torch.mm`` peak measured
+in the same run at the model's own matmul shapes and thread setting. Then the ratios
+and the issue's targets.
+
+    python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
+
+``--out DIR`` writes e2e.json, e2e_table.md and e2e_profile_europa.txt (the top 25
+operators by self CPU time of each europa run, rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _e2e_ranks import europa_runs, matmul_rates, torchtitan_runs
+from _e2e_report import markdown_table, ratios_and_targets
+from _harness import run_ranks
+
+LAYOUTS = (
+    {"name": "core-fsdp2", "plugins": [], "overrides": [], "min_world": 1},
+    {"name": "flexshard", "plugins": ["flexshard"], "overrides": ["flexshard.log_plan=false"],
+     "min_world": 1},
+    {"name": "flexshard-ep2", "plugins": ["flexshard"],
+     "overrides": ["flexshard.log_plan=false", "parallel.ep=2"], "min_world": 2},
+)  # fmt: skip
+TORCHTITAN_VARIANTS = (("torchtitan-shipped", False), ("torchtitan-fp32-experts", True))
+
+
+def _parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print only the JSON result")
+    parser.add_argument("--out", type=Path, help="also write the JSON, table and profile here")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before them")
+    parser.add_argument("--profile-steps", type=int, default=2, help="profiled steps after them")
+    parser.add_argument("--global-batch", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--log-every", type=int, default=10, help="both trainers' log period")
+    parser.add_argument("--worlds", default="1,2", help="rank counts, comma-separated")
+    parser.add_argument("--quick", action="store_true", help="smoke test: seq 32, 1+1+1 steps")
+    args = parser.parse_args()
+    if args.quick:
+        args.seq_len, args.global_batch = 32, 2
+        args.steps = args.warmup = args.profile_steps = 1
+    args.worlds = [int(w) for w in args.worlds.split(",")]
+    for world in args.worlds:
+        if world < 1 or args.global_batch % world:
+            parser.error(
+                f"--worlds {world}: expected a divisor of --global-batch {args.global_batch}"
+            )
+    return args
+
+
+def model_facts(preset: str, seq_len: int) -> dict[str, Any]:
+    """Model FLOPs per token and the matmuls (k, n, tokens per row block) a step runs."""
+    from europa.core.config import load_config
+    from europa.core.model import build_moe_model
+    from europa.core.plan.shapes import ModelShapes
+    from europa.core.plan.timing import model_flops_per_token
+
+    m = load_config(preset).model
+    model = build_moe_model(m)
+    matmuls = set()
+    for name, p in model.named_parameters():
+        if "tok_embeddings" in name or p.dim() < 2:
+            continue
+        if "routed_experts" in name:  # E × out × in: each expert sees top_k / E of the tokens
+            matmuls.add((p.shape[2], p.shape[1], m.top_k / m.num_experts))
+        else:
+            matmuls.add((p.shape[1], p.shape[0], 1.0))
+    return {
+        "model_flops_per_token": model_flops_per_token(ModelShapes.of(model), m, seq_len),
+        "matmuls": sorted(matmuls),
+        "routing": {
+            "top_k": m.top_k,
+            "num_experts": m.num_experts,
+            "shared_experts_hidden_dim": m.num_shared_experts * m.moe_hidden_dim,
+            "score_func": m.score_func,
+            "route_norm": m.route_norm,
+        },
+    }
+
+
+def model_check(configs: list[dict], facts: dict) -> dict[str, Any]:
+    """Whether torchtitan's model, as the launcher builds it, has europa's shape and routing."""
+    counts = {c["config"]: c["parameters"] for c in configs}
+    titan = next((c for c in configs if c["system"] == "torchtitan"), None)
+    routing = {k: v for k, v in titan["routing"].items() if k != "experts_class"} if titan else None
+    return {
+        "parameters": counts,
+        "parameters_equal": len(set(counts.values())) == 1,
+        "europa_routing": facts["routing"],
+        "torchtitan_routing": routing,
+        "routing_equal": routing == facts["routing"],
+        "torchtitan_own_flops_per_token": titan["torchtitan_flops_per_token"] if titan else None,
+    }
+
+
+def gemm_peak(world: int, tokens_per_rank: int, matmuls: list, seconds: float) -> dict[str, Any]:
+    """Per shape, the FLOP/s of all ranks multiplying at once (summed over ranks)."""
+    shapes = sorted({(max(1, round(tokens_per_rank * share)), k, n) for k, n, share in matmuls})
+    timing = {"trials": 5, "seconds_per_trial": seconds / 5}
+    ranks = run_ranks(matmul_rates, world, {"shapes": shapes, **timing})
+    rates = {s: sum(r["flops_per_s"][s] for r in ranks) for s in ranks[0]["flops_per_s"]}
+    return {"threads_per_rank": ranks[0]["threads"], "rates": rates}
+
+
+def _peak(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    per_shape = {s: max(before["rates"][s], after["rates"][s]) for s in before["rates"]}
+    best = max(per_shape, key=per_shape.get)
+    return {
+        "threads_per_rank": before["threads_per_rank"],
+        "flops_per_s_by_shape_mxkxn": per_shape,
+        "peak_flops_per_s": per_shape[best],
+        "peak_shape_mxkxn": best,
+    }
+
+
+def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
+    """The configurations at this many ranks, between two measurements of the matmul
+    peak (the better of the two per shape: a neighbour's burst only lowers a peak)."""
+    batch = args.global_batch // world
+    overrides = [
+        f"training.batch_size={batch}",
+        f"training.seq_len={args.seq_len}",
+        f"training.steps={args.warmup + args.steps + args.profile_steps}",
+        f"metrics.log_every={args.log_every}",
+        "metrics.progress=false",
+    ]
+    gemm_seconds = 0.2 if args.quick else 0.5
+    before = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
+    timing = {"warmup": args.warmup, "timed": args.steps, "profiled": args.profile_steps}
+    layouts = [layout for layout in LAYOUTS if world >= layout["min_world"]]
+    europa_args = {"preset": "debug", "overrides": overrides, "layouts": layouts, "root": root}
+    europa = run_ranks(europa_runs, world, {**europa_args, **timing})[0]
+    titan_args = {"preset": "debug", "overrides": overrides[:2], "variants": TORCHTITAN_VARIANTS,
+                  "log_every": args.log_every, "data_dir": root,
+                  "steps": args.warmup + args.steps + args.profile_steps}  # fmt: skip
+    titan = run_ranks(torchtitan_runs, world, {**titan_args, **timing})[0]
+    after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
+    peak = _peak(before, after)
+    runs = [("europa", europa), ("torchtitan", titan)]
+    configs = [
+        _config(system, name, world, batch, result, facts, peak["peak_flops_per_s"])
+        for system, results in runs
+        for name, result in results.items()
+    ]
+    return configs, peak
+
+
+def _config(system, name, world, batch, result, facts, peak_flops) -> dict[str, Any]:
+    achieved = result["tokens_per_s"] * facts["model_flops_per_token"]
+    return {
+        "system": system,
+        "config": name,
+        "ranks": world,
+        "batch_per_rank": batch,
+        **result,
+        "achieved_flops_per_s": achieved,
+        "mfu": achieved / peak_flops,
+    }
+
+
+def main() -> None:
+    args = _parse()
+    facts = model_facts("debug", args.seq_len)
+    configs, peaks = [], {}
+    with tempfile.TemporaryDirectory(prefix="e2e-") as root:
+        for world in args.worlds:
+            world_configs, peaks[f"{world}_rank"] = run_world(args, world, facts, root)
+            configs += world_configs
+    tables = {
+        f"{c['config']} ({c['ranks']} rank)": c.pop("operator_table")
+        for c in configs
+        if "operator_table" in c
+    }
+    result = {
+        "benchmark": "e2e",
+        "preset": "debug",
+        "global_batch": args.global_batch,
+        "seq_len": args.seq_len,
+        "warmup_steps": args.warmup,
+        "timed_steps": args.steps,
+        "profiled_steps": args.profile_steps,
+        "log_every": args.log_every,
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "model_flops_per_token": facts["model_flops_per_token"],
+        "model_check": model_check(configs, facts),
+        "fp32_matmul_peak": peaks,
+        "configs": configs,
+        **ratios_and_targets(configs),
+    }
+    document = json.dumps(result, indent=2)
+    table = markdown_table(configs)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "e2e.json").write_text(document + "\n")
+        (args.out / "e2e_table.md").write_text(table + "\n")
+        (args.out / "e2e_profile_europa.txt").write_text(
+            "".join(f"== europa {name}, rank 0 ==\n{t}\n" for name, t in tables.items() if t)
+        )
+    print(document if args.json else table)
+
+
+if __name__ == "__main__":
+    main()
