@@ -52,14 +52,14 @@ QUIET = ["--set", "metrics.progress=false"]
         # pool checks the same budget for users of the plain API).
         (
             ["offload.host_memory_gib=0.001"],
-            "tiny: 1 rank(s) on this cpu machine: each rank moves 44.2 MiB to host memory "
-            "(activations 44.2 MiB) and has 1.0 MiB (offload.host_memory_gib = 0.001): "
+            "tiny: 1 rank(s) on this cpu machine: each rank moves 41.9 MiB to host memory "
+            "(activations 41.9 MiB) and has 1.0 MiB (offload.host_memory_gib = 0.001): "
             "expected a larger budget, more ranks, or less offloaded",
         ),
         (
             ["offload.optimizer_state=true", "offload.host_memory_gib=0.001"],
-            "tiny: 1 rank(s) on this cpu machine: each rank moves 59.0 MiB to host memory "
-            "(activations 44.2 MiB, optimizer_state 14.8 MiB) and has 1.0 MiB "
+            "tiny: 1 rank(s) on this cpu machine: each rank moves 56.7 MiB to host memory "
+            "(activations 41.9 MiB, optimizer_state 14.8 MiB) and has 1.0 MiB "
             "(offload.host_memory_gib = 0.001): expected a larger budget, more ranks, or less "
             "offloaded",
         ),
