@@ -17,7 +17,7 @@ LAYERS = ["layers.1", "layers.2", "layers.3"]  # tiny: 4 layers, the first dense
 EXPERTS = 8
 CORE_CHARTS = {
     "loss", "loss_by_tokens", "lr", "lr_by_tokens", "grad_norm",
-    "tokens_per_s", "step_time_s", "memory_peak_bytes", "expert_imbalance",
+    "tokens_per_s", "step_time_s", "memory_peak_bytes", "expert_imbalance", "skipped_steps",
 }  # fmt: skip
 
 

@@ -104,6 +104,8 @@ def _training(runs: list[RunData]) -> list[Chart]:
                  _key("global L2 norm", "grad_norm")),
         _per_run(runs, "lr", TRAINING, "Learning rate by step", STEP, LR),
         _per_run(runs, "lr_by_tokens", TRAINING, "Learning rate by tokens seen", TOKENS, LR),
+        _per_run(runs, "skipped_steps", TRAINING, "Steps skipped (non-finite loss or gradient)",
+                 STEP, _key("skipped so far", "skipped_steps")),
     ]  # fmt: skip
 
 

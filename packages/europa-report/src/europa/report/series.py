@@ -21,6 +21,8 @@ CORE_KEYS = frozenset(
         "expert_imbalance_max",
         "expert_imbalance",
         "expert_load",
+        "skipped",
+        "skipped_steps",
     }
 )
 MAX_LINE_POINTS = 4000  # beyond this a line is drawn from means of consecutive records
