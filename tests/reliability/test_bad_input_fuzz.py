@@ -14,9 +14,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from europa.cli.app import run
-from europa.core.config import load_config
 from europa.core.errors import EuropaError
 from europa.core.plugins import DISABLE_ENV, EuropaPluginManager
+from europa.core.session import open_session
 
 FAST = settings(max_examples=300, deadline=None, derandomize=True)
 CLI = settings(
@@ -61,14 +61,7 @@ def manager() -> EuropaPluginManager:
 
 def _loads_or_fails_in_one_line(manager, source=None, overrides=(), plugins=()) -> None:
     try:
-        config = load_config(
-            source,
-            overrides,
-            plugins,
-            sections=manager.config_sections(),
-            builtin_owners=manager.builtin_owners(),
-        )
-        manager.enable(config.plugins.enabled)
+        open_session(source, overrides, plugins, manager)
     except EuropaError as err:
         assert len(str(err).splitlines()) == 1, str(err)
     finally:
