@@ -11,7 +11,7 @@ def is_user_error(err: BaseException) -> bool:
     return getattr(err, "europa_user_error", False) is True
 
 
-def one_line(err: BaseException) -> str:
+def one_line(err: BaseException | str) -> str:
     # splitlines, not split("\n"): a user's value may hold \r, \v, U+2028 and other breaks.
     return " ".join(str(err).splitlines())
 
@@ -22,8 +22,7 @@ class EuropaError(ValueError):
     europa_user_error = True
 
     def __init__(self, message: str) -> None:
-        single_line = " ".join(message.splitlines())
-        super().__init__(single_line)
+        super().__init__(one_line(message))
 
 
 class ConfigError(EuropaError):

@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from europa.core.train.faults import root_exception
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"
+T = TypeVar("T")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -126,19 +127,14 @@ def agreed_checkpoint_to_resume(
 ) -> tuple[int, Path]:
     """``checkpoint_to_resume`` decided on rank 0 (which also clears leftover partial
     saves) and shared, so every rank loads the same checkpoint or raises the same error."""
-    outcome: tuple[int, Path] | Exception
+    outcome: tuple[int, Path] | Exception | None = None
     if _is_main():
         try:
             outcome = checkpoint_to_resume(run_dir, total_steps, from_older=from_older)
             clear_partials(run_dir)
         except (CheckpointError, ConfigError) as err:
             outcome = err
-    else:
-        outcome = None
-    if dist.is_initialized():
-        shared = [outcome]
-        dist.broadcast_object_list(shared, src=0)
-        outcome = shared[0]
+    outcome = _from_main(outcome)
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
@@ -205,7 +201,7 @@ def save_checkpoint(
     except CheckpointException as err:  # the same on every rank: DCP gathers the failures
         # Rank 0 judges (free space is what it sees before it frees any) for every rank.
         full = _is_main() and _is_disk_full(root_exception(err), partial)
-        failure = _from_main(_disk_full_line(err) if full else None)
+        failure = _from_main(DISK_FULL if full else None)
         if failure is None:
             raise
     else:
@@ -227,6 +223,7 @@ def save_checkpoint(
 # inline_container.cc] unexpected pos", without the errno; a disk that a failed write
 # left with (almost) nothing free is taken as full.
 _NEARLY_FULL_BYTES = 1 << 20
+DISK_FULL = f"the disk is full ({os.strerror(errno.ENOSPC)})"
 
 
 def _is_disk_full(err: BaseException, where: Path) -> bool:
@@ -254,22 +251,18 @@ def _finish(
     except OSError as err:
         if not _is_disk_full(err, partial):
             raise
-        return _disk_full_line(err)
+        return DISK_FULL
     shutil.rmtree(final, ignore_errors=True)
     partial.rename(final)
     _prune(run_dir, keep)
     return None
 
 
-def _disk_full_line(err: BaseException) -> str:
-    return f"the disk is full ({os.strerror(errno.ENOSPC)})"
-
-
-def _from_main(failure: str | None) -> str | None:
-    """Rank 0's outcome on every rank (also the barrier that ends a save)."""
+def _from_main(outcome: T) -> T:
+    """Rank 0's outcome on every rank (a collective: also the barrier that ends a save)."""
     if not dist.is_initialized():
-        return failure
-    shared = [failure]
+        return outcome
+    shared = [outcome]
     dist.broadcast_object_list(shared, src=0)
     return shared[0]
 

@@ -137,6 +137,12 @@ def init_distributed(
     return device, mesh
 
 
+def restart_attempt(environ: dict[str, str] | None = None) -> int:
+    """How many times torch's elastic agent has restarted this worker's group (0: first run)."""
+    env = os.environ if environ is None else environ
+    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+
+
 def restarted_group_store(world_size: int, environ: dict[str, str] | None = None):
     """The store of a worker group that torch's elastic agent restarted, under a prefix of
     its own; None for a first attempt or a store this group hosts itself.
@@ -145,7 +151,7 @@ def restarted_group_store(world_size: int, environ: dict[str, str] | None = None
     the process group's keys carry no attempt number, so without a prefix a restarted
     rank can read the failed group's keys, e.g. a dead peer's address, and fail to connect."""
     env = os.environ if environ is None else environ
-    attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0")
+    attempt = restart_attempt(env)
     if attempt == 0 or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     from torch.distributed.constants import default_pg_timeout

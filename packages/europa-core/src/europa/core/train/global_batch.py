@@ -16,6 +16,7 @@ from typing import Any
 
 from europa.core.config.schema import TrainingConfig
 from europa.core.errors import CheckpointError, ConfigError
+from europa.core.train.checkpoint import MARKER
 
 KEY = "global_batch"
 
@@ -30,9 +31,9 @@ def global_batch(training: TrainingConfig, world_size: int) -> dict[str, int]:
     }
 
 
-def check_global_batch(checkpoint: Path, marker: str, training: TrainingConfig, world: int) -> None:
+def check_global_batch(checkpoint: Path, training: TrainingConfig, world: int) -> None:
     """Refuse a resume on ``world`` ranks that would change the checkpoint's global batch."""
-    saved = _recorded(checkpoint / marker)
+    saved = _recorded(checkpoint / MARKER)
     if saved is None:  # written before global batches were recorded
         return
     want, here = saved["sequences"], global_batch(training, world)["sequences"]

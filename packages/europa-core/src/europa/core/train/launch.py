@@ -37,7 +37,6 @@ from europa.core.run_dir import (
 from europa.core.train.batches import build_batches
 from europa.core.train.casualty import WORKER_MODULE, describe_failure, next_step
 from europa.core.train.checkpoint import (
-    MARKER,
     check_compatible,
     checkpoint_to_resume,
     latest_checkpoint,
@@ -89,7 +88,7 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
-        check_global_batch(path, MARKER, config.training, world_size)
+        check_global_batch(path, config.training, world_size)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec

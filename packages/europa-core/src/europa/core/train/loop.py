@@ -141,7 +141,7 @@ class Trainer:
         _, path = checkpoint.agreed_checkpoint_to_resume(
             self.job.run_dir, self.job.config.training.steps, from_older=self.from_older
         )
-        check_global_batch(path, checkpoint.MARKER, self.job.config.training, self.job.world_size)
+        check_global_batch(path, self.job.config.training, self.job.world_size)
         state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped.count = int(state["skipped_steps"])

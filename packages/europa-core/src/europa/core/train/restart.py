@@ -3,16 +3,15 @@ from the run's last complete checkpoint by itself, as ``--resume`` would."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from europa.core.train.checkpoint import latest_checkpoint
+from europa.core.train.distributed import restart_attempt
 
 
 def is_restart(environ: dict[str, str] | None = None) -> bool:
     """True in a worker the elastic agent started again after its group failed."""
-    env = os.environ if environ is None else environ
-    return int(env.get("TORCHELASTIC_RESTART_COUNT", "0") or "0") > 0
+    return restart_attempt(environ) > 0
 
 
 def has_checkpoint(run_dir: Path) -> bool:
