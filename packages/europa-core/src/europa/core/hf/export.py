@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
@@ -30,11 +29,7 @@ from europa.core.errors import CheckpointError, ConfigError
 from europa.core.hf.config_map import check_exportable, hf_config_from_model
 from europa.core.hf.names import Source, hf_tensors, name_map
 from europa.core.hf.reader import INDEX
-from europa.core.train.checkpoint_reader import (
-    RestrictedFileSystemReader,
-    WeightsOnlyLoadPlanner,
-    read_metadata,
-)
+from europa.core.train.checkpoint_reader import load_restricted, read_metadata
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -127,12 +122,7 @@ def _read_file(path: Path, file: _File, shapes, present: set[str]) -> dict[str, 
     if state:
         with warnings.catch_warnings():  # one process on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(
-                state,
-                storage_reader=RestrictedFileSystemReader(str(path)),
-                planner=WeightsOnlyLoadPlanner(),
-                no_dist=True,
-            )
+            load_restricted(state, path, no_dist=True)
     out = {}
     for name, run in runs.items():
         local = locals_.get(name)

@@ -31,11 +31,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from europa.core.errors import CheckpointError, ConfigError, is_user_error
 from europa.core.run_dir import CHECKPOINTS
-from europa.core.train.checkpoint_reader import (
-    RestrictedFileSystemReader,
-    WeightsOnlyLoadPlanner,
-    read_metadata,
-)
+from europa.core.train.checkpoint_reader import load_restricted, read_metadata
 from europa.core.train.faults import root_exception
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
@@ -318,11 +314,7 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
     loaded = {**template, "trainer": dict(trainer_state)}
     read_metadata(path)  # refused here, in one line, before DCP sees it
     try:
-        dcp.load(
-            loaded,
-            storage_reader=RestrictedFileSystemReader(str(path)),
-            planner=WeightsOnlyLoadPlanner(),
-        )
+        load_restricted(loaded, path)
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         if is_user_error(root_exception(err)):  # e.g. a stored value refused as unsafe
             raise root_exception(err) from None

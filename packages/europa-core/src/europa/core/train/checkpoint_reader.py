@@ -22,6 +22,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -146,3 +147,14 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             set_element(self.original_state_dict, self.mappings[fqn], loaded)
         else:
             self.state_dict[fqn] = loaded
+
+
+def load_restricted(state: dict[str, Any], checkpoint: Path, **kwargs: Any) -> None:
+    """``dcp.load`` of ``checkpoint`` into ``state`` through the restricted reader and
+    planner above (``kwargs``: the rest of ``dcp.load``'s, e.g. ``no_dist``)."""
+    dcp.load(
+        state,
+        storage_reader=RestrictedFileSystemReader(str(checkpoint)),
+        planner=WeightsOnlyLoadPlanner(),
+        **kwargs,
+    )
