@@ -27,7 +27,7 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from europa.core.run_dir import prepare_run_dir
     from europa.core.session import open_session
     from europa.core.train.distributed import ProcessPlace, init_distributed, shutdown
-    from europa.core.train.loop import Trainer
+    from europa.core.train.loop import Trainer, use_deterministic_algorithms
 
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
     results = {}
@@ -35,8 +35,7 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         for layout in args["layouts"]:
             overrides = [*args["overrides"], *layout["overrides"], 'parallel.device="cpu"']
             config, plugins = open_session(args["preset"], overrides, layout["plugins"])
-            if config.training.deterministic:  # as run_training does
-                torch.use_deterministic_algorithms(True, warn_only=True)
+            use_deterministic_algorithms(config.training.deterministic)  # as run_training
             place = ProcessPlace(rank, world, rank, "torchrun")
             device, mesh = init_distributed(config.parallel, place)
             run_dir = Path(args["root"]) / f"{layout['name']}-{world}"

@@ -44,6 +44,12 @@ from europa.core.train.loop import Trainer
 preset, warmup, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 overrides = ["metrics.progress=false", f"training.steps={warmup + steps}", *sys.argv[5:]]
 config, plugins = open_session(preset, overrides, [])
+try:  # as run_training does; refs older than the helper set torch's mode themselves
+    from europa.core.train.loop import use_deterministic_algorithms
+except ImportError:
+    def use_deterministic_algorithms(on):
+        torch.use_deterministic_algorithms(on, warn_only=True)
+use_deterministic_algorithms(config.training.deterministic)
 run_dir = Path(tempfile.mkdtemp()) / "run"
 prepare_run_dir(config, run_dir, resume=False)
 device, mesh = init_distributed(config.parallel, ProcessPlace(0, 1, 0, "single"))

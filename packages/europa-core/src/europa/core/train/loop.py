@@ -299,6 +299,16 @@ class Trainer:
         return summary
 
 
+def use_deterministic_algorithms(deterministic: bool) -> None:
+    """torch's deterministic mode, without its fill of every new allocation with NaN.
+
+    That fill (``fill_uninitialized_memory``) only makes a read of uninitialised memory
+    visible; our kernels write every element they read, and the fill cost 18% of a CPU
+    training step (``aten::fill_`` in ``benchmarks/e2e.py``'s profile)."""
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+
+
 def run_training(
     config: EuropaConfig,
     run_dir: Path,
@@ -309,8 +319,7 @@ def run_training(
     from_older: bool = False,
 ) -> dict[str, Any]:
     """Everything one process does in ``europa train``."""
-    if config.training.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    use_deterministic_algorithms(config.training.deterministic)
     device, mesh = init_distributed(config.parallel, place)
     try:
         job = Job(
