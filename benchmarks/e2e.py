@@ -4,7 +4,8 @@ One invocation, everything in the same run: the ``debug`` preset (the shape of
 torchtitan's ``deepseek_v3`` debugmodel), fp32, AdamW, no activation checkpointing, a
 fixed global batch (4 × 256 by default: 1 rank × 4 or 2 ranks × 2), the same token ids on
 each rank for both systems. europa runs core FSDP2, ``-p flexshard`` and, at 2 ranks,
-``-p flexshard`` with ``parallel.ep=2``, each through the Trainer ``europa train`` runs;
+``-p flexshard`` with ``parallel.ep=2``, and both of these with ``-p overlap``, each
+through the Trainer ``europa train`` runs, each on fresh ranks;
 torchtitan runs its Trainer through ``_torchtitan_cpu`` twice, as shipped (routed experts
 cast to bf16) and with its routed experts in fp32. Each rank gets cores ÷ ranks threads
 (2, and 1 per rank, on 2 cores; torchrun gives ``--nproc 2`` one each).
@@ -43,12 +44,19 @@ from _e2e_ranks import europa_runs, matmul_rates, torchtitan_runs
 from _e2e_report import markdown_table, ratios_and_targets
 from _harness import run_ranks
 
+OVERLAP = ("overlap.timeline=false", 'overlap.reshard_after_forward="none"')
 LAYOUTS = (
     {"name": "core-fsdp2", "plugins": [], "overrides": [], "min_world": 1},
     {"name": "flexshard", "plugins": ["flexshard"], "overrides": ["flexshard.log_plan=false"],
      "min_world": 1},
     {"name": "flexshard-ep2", "plugins": ["flexshard"],
      "overrides": ["flexshard.log_plan=false", "parallel.ep=2"], "min_world": 2},
+    # europa-overlap: the next block's gather issued ahead, and gathered blocks kept
+    # through backward (no second gather; memory for the speed, as `europa plan` shows)
+    {"name": "core-fsdp2+overlap", "plugins": ["overlap"],
+     "overrides": [*OVERLAP], "min_world": 2},
+    {"name": "flexshard-ep2+overlap", "plugins": ["flexshard", "overlap"],
+     "overrides": ["flexshard.log_plan=false", "parallel.ep=2", *OVERLAP], "min_world": 2},
 )  # fmt: skip
 TORCHTITAN_VARIANTS = (("torchtitan-shipped", False), ("torchtitan-fp32-experts", True))
 
@@ -158,12 +166,14 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     before = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
     timing = {"warmup": args.warmup, "timed": args.steps, "profiled": args.profile_steps}
     layouts = [layout for layout in LAYOUTS if world >= layout["min_world"]]
-    europa_args = {"preset": "debug", "overrides": overrides, "layouts": layouts, "root": root}
-    europa = run_ranks(europa_runs, world, {**europa_args, **timing})[0]
-    titan_args = {"preset": "debug", "overrides": overrides[:2], "variants": TORCHTITAN_VARIANTS,
-                  "log_every": args.log_every, "data_dir": root,
-                  "steps": args.warmup + args.steps + args.profile_steps}  # fmt: skip
-    titan = run_ranks(torchtitan_runs, world, {**titan_args, **timing})[0]
+    # One fresh process group per configuration: a trainer that ran earlier in the same
+    # processes slowed the next one's steps by up to a third (see run_alone).
+    europa_args = {"preset": "debug", "overrides": overrides, "root": root, **timing}
+    europa = run_alone(europa_runs, world, europa_args, "layouts", layouts)
+    titan_args = {"preset": "debug", "overrides": overrides[:2], "log_every": args.log_every,
+                  "data_dir": root, "steps": args.warmup + args.steps + args.profile_steps,
+                  **timing}  # fmt: skip
+    titan = run_alone(torchtitan_runs, world, titan_args, "variants", TORCHTITAN_VARIANTS)
     after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
     peak = _peak(before, after)
     runs = [("europa", europa), ("torchtitan", titan)]
@@ -173,6 +183,19 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
         for name, result in results.items()
     ]
     return configs, peak
+
+
+def run_alone(fn, world: int, args: dict, key: str, configurations) -> dict[str, Any]:
+    """``fn`` on fresh ranks for each configuration in turn; results by name.
+
+    Run one after another in the same processes, the second europa layout took 20-30%
+    longer per step than it did when run first, whichever layout it was (user CPU time
+    per step unchanged, the idle time grew: fewer cores busy), so the order of the
+    configurations decided part of their ratio."""
+    results: dict[str, Any] = {}
+    for configuration in configurations:
+        results.update(run_ranks(fn, world, {**args, key: [configuration]})[0])
+    return results
 
 
 def _config(system, name, world, batch, result, facts, peak_flops) -> dict[str, Any]:
