@@ -1,8 +1,8 @@
 """``training.deterministic``: torch's deterministic algorithms, without the NaN fill of
 every new allocation (1496 ``aten::fill_`` calls, 18.5% of self CPU time, in two
-profiled debug steps of ``benchmarks/e2e.py`` before; 316 and 0.7% after). That runs stay deterministic without the fill is what
-test_train.py's exactness tests show (resume reproduces the uninterrupted run; two ranks
-equal one process)."""
+profiled debug steps of ``benchmarks/e2e.py`` before; 316 and 0.7% after). That runs
+stay deterministic without the fill is what test_train.py's exactness tests show (resume
+reproduces the uninterrupted run; two ranks equal one process)."""
 
 from __future__ import annotations
 
