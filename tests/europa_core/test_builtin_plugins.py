@@ -15,6 +15,7 @@ from europa.core.model.materialise import materialise
 from europa.core.optim import MuonWithAdamW
 from europa.core.plugins.builtin import activation_checkpointing, fsdp, optimizer
 from europa.core.session import open_session
+from tests.conftest import run_ranks
 
 
 def _job(*overrides: str) -> Job:
@@ -50,6 +51,39 @@ def test_fsdp_default_refuses_expert_parallelism_in_one_line():
         "parallel.ep = 2: core's FSDP2 layout has no expert parallelism; expected 1, "
         "or enable a plugin whose europa_shard_model provides it"
     )
+
+
+def _fsdp_wrapped_by_dtype(rank: int, world: int) -> dict[str, tuple[bool, bool]]:
+    """Per training.dtype: (model is an FSDP2 module, its parameters are DTensors)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    wrapped = {}
+    for dtype in ("float32", "bfloat16"):
+        job = _job(f'training.dtype="{dtype}"')
+        job.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        with torch.device("meta"):
+            model = build_moe_model(job.config.model)
+        model = fsdp.europa_shard_model(job=job, model=model)
+        dtensors = {isinstance(p, DTensor) for p in model.parameters()}
+        assert len(dtensors) == 1, "some parameters sharded, others not"
+        wrapped[dtype] = (isinstance(model, FSDPModule), dtensors.pop())
+        assert set(job.claims.values()) == {fsdp.OWNER}
+    return wrapped
+
+
+def test_fsdp2_leaves_a_one_rank_fp32_model_plain_and_wraps_every_other_case():
+    # One rank in fp32: nothing to shard, reduce or cast, so FSDP2's buffer copies
+    # are pure cost. bf16 still needs its mixed-precision policy; two ranks shard.
+    assert run_ranks(_fsdp_wrapped_by_dtype, 1)[0] == {
+        "float32": (False, False),
+        "bfloat16": (True, True),
+    }
+    assert run_ranks(_fsdp_wrapped_by_dtype, 2)[0] == {
+        "float32": (True, True),
+        "bfloat16": (True, True),
+    }
 
 
 def test_adamw_is_the_default_optimizer():

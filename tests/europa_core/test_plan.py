@@ -160,3 +160,17 @@ def test_core_fsdp2_has_no_expert_parallelism_in_the_plan_either():
     config, plugins = open_session("tiny", ["parallel.ep=2"])
     with pytest.raises(PluginError, match=r"parallel\.ep = 2: core's FSDP2 layout"):
         make_plan(config, plugins, load_profile("cpu"), 2)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "ranks", "gathers"),
+    [("float32", 1, False), ("bfloat16", 1, True), ("float32", 2, True)],
+)
+def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, gathers):
+    # One fp32 rank trains the model unwrapped (plugins/builtin/fsdp.py): no gathered
+    # block, no unsharded gradient buffer beside the gradients themselves.
+    config, plugins = open_session("tiny", [f'training.dtype="{dtype}"'])
+    plan = make_plan(config, plugins, load_profile("cpu"), ranks)
+    transient = plan.device_terms["gathered_parameters"] + plan.device_terms["gradient_buffers"]
+    assert (transient > 0) == gathers
+    assert bool(plan.layout["gathered_unit_elements"]) == gathers

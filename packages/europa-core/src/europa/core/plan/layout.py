@@ -13,6 +13,7 @@ Its keys (all per rank of the group that splits the parameters):
 ``adamw_tensors``     tensors that carry an AdamW step counter on every rank
 ``gathered_unit_elements``
                       {unit: elements} gathered whole before each use of the unit
+                      (none when one fp32 rank leaves the model unwrapped)
 ``gather_group_size`` ranks in that gather
 ``optimizer_step_gather_elements``
                       elements gathered inside ``optimizer.step()`` (Muon on
@@ -44,7 +45,8 @@ def _ranges_to_list(diff: list[int]) -> list[int]:
     return list(accumulate(diff[:-1]))
 
 
-def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str) -> dict:
+def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, plain: bool = False) -> dict:
+    """``plain``: the model stays unwrapped (one fp32 rank), so nothing is gathered."""
     stored = [0] * (ranks + 1)  # difference arrays: O(parameters + ranks)
     local = {"muon": [0] * (ranks + 1), "adamw": [0] * (ranks + 1)}
     adamw_tensors = 0
@@ -77,7 +79,7 @@ def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str) -> dict:
         "muon_elements": _ranges_to_list(local["muon"]),
         "adamw_elements": _ranges_to_list(local["adamw"]),
         "adamw_tensors": adamw_tensors,
-        "gathered_unit_elements": units,
+        "gathered_unit_elements": {} if plain else units,
         "gather_group_size": ranks,
         "optimizer_step_gather_elements": step_gather,
         "largest_step_gather_elements": largest_step_gather,

@@ -35,6 +35,7 @@ from europa.core.plan.timing import (
     step_time,
 )
 from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
+from europa.core.plugins.builtin.fsdp import leaves_plain
 from europa.core.train.distributed import mesh_shape
 from europa.core.units import human
 
@@ -160,12 +161,13 @@ def plugin_plan(
 ) -> dict[str, Any]:
     """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
     FSDP2 layout unless a layout plugin replaced it."""
-    _, shard, ep = mesh_shape(job.config.parallel, job.world_size)
+    replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
+    plain = leaves_plain(replicate * shard, job.config.training.dtype)
     plan: dict[str, Any] = {
         "world_size": job.world_size,
         "parameter_shapes": shapes.as_dict(),
         "parameter_itemsize": itemsize,
-        "layout": fsdp2_layout(shapes, shard, job.config.optimizer.name),
+        "layout": fsdp2_layout(shapes, shard, job.config.optimizer.name, plain=plain),
     }
     if hardware is not None:
         plan["hardware"] = hardware.as_dict()
