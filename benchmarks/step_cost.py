@@ -79,11 +79,12 @@ def export(ref: str, into: Path) -> list[str]:
     return sorted(str(src) for src in into.glob("packages/*/src"))
 
 
-def trial(pythonpath: list[str], args: argparse.Namespace) -> dict:
+def trial(pythonpath: list[str], args: argparse.Namespace, script: str = TRIAL) -> dict:
+    """One fresh process running ``script`` (``TRIAL`` or a variant of it)."""
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
-    command = [sys.executable, "-c", TRIAL, str(args.threads), args.preset]
+    command = [sys.executable, "-c", script, str(args.threads), args.preset]
     command += [str(args.warmup), str(args.steps), *args.set]
     done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
