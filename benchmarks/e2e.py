@@ -3,9 +3,10 @@
 One invocation, everything in the same run: the ``debug`` preset (the shape of
 torchtitan's ``deepseek_v3`` debugmodel), fp32, AdamW, no activation checkpointing, a
 fixed global batch (4 × 256 by default: 1 rank × 4 or 2 ranks × 2), the same token ids on
-each rank for both systems. europa runs core FSDP2, ``-p flexshard`` and, at 2 ranks,
-``-p flexshard`` with ``parallel.ep=2``, and both of these with ``-p overlap``, each
-through the Trainer ``europa train`` runs, each on fresh ranks;
+each rank for both systems. europa runs core's layout (plain at 1 rank, FSDP2 at 2),
+``-p flexshard`` and, at 2 ranks, core with ``parallel.dp_replicate=2`` (DDP),
+``-p flexshard`` with ``parallel.ep=2``, and core and the latter with ``-p overlap``,
+each through the Trainer ``europa train`` runs, each on fresh ranks;
 torchtitan runs its Trainer through ``_torchtitan_cpu`` twice, as shipped (routed experts
 cast to bf16) and with its routed experts in fp32. Each rank gets cores ÷ ranks threads
 (2, and 1 per rank, on 2 cores; torchrun gives ``--nproc 2`` one each).
@@ -46,14 +47,18 @@ from _harness import run_ranks
 
 OVERLAP = ("overlap.timeline=false", 'overlap.reshard_after_forward="none"')
 LAYOUTS = (
-    {"name": "core-fsdp2", "plugins": [], "overrides": [], "min_world": 1},
+    # core: plain at 1 rank (fp32, nothing to shard), FSDP2 over 2
+    {"name": "core", "plugins": [], "overrides": [], "min_world": 1},
+    # fp32 replicas: core's layout is DDP (plain parameters, bucketed gradient all-reduce)
+    {"name": "core-ddp", "plugins": [], "overrides": ["parallel.dp_replicate=2"],
+     "min_world": 2},
     {"name": "flexshard", "plugins": ["flexshard"], "overrides": ["flexshard.log_plan=false"],
      "min_world": 1},
     {"name": "flexshard-ep2", "plugins": ["flexshard"],
      "overrides": ["flexshard.log_plan=false", "parallel.ep=2"], "min_world": 2},
     # europa-overlap: the next block's gather issued ahead, and gathered blocks kept
     # through backward (no second gather; memory for the speed, as `europa plan` shows)
-    {"name": "core-fsdp2+overlap", "plugins": ["overlap"],
+    {"name": "core+overlap", "plugins": ["overlap"],
      "overrides": [*OVERLAP], "min_world": 2},
     {"name": "flexshard-ep2+overlap", "plugins": ["flexshard", "overlap"],
      "overrides": ["flexshard.log_plan=false", "parallel.ep=2", *OVERLAP], "min_world": 2},

@@ -53,37 +53,46 @@ def test_fsdp_default_refuses_expert_parallelism_in_one_line():
     )
 
 
-def _fsdp_wrapped_by_dtype(rank: int, world: int) -> dict[str, tuple[bool, bool]]:
-    """Per training.dtype: (model is an FSDP2 module, its parameters are DTensors)."""
+def _layouts(rank: int, world: int, replicas: int) -> dict[str, str]:
+    """Per training.dtype, what core's shard hook made of the model on ``world`` ranks
+    with ``parallel.dp_replicate = replicas``: "plain", "ddp" or "fsdp2" (and then
+    every parameter a DTensor)."""
+    from torch.distributed._composable.replicate import DDP
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
-    wrapped = {}
+    mesh = init_device_mesh(
+        "cpu", (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard")
+    )
+    layouts = {}
     for dtype in ("float32", "bfloat16"):
-        job = _job(f'training.dtype="{dtype}"')
-        job.mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+        job = _job(f'training.dtype="{dtype}"', f"parallel.dp_replicate={replicas}")
+        job.mesh = mesh
         with torch.device("meta"):
             model = build_moe_model(job.config.model)
         model = fsdp.europa_shard_model(job=job, model=model)
-        dtensors = {isinstance(p, DTensor) for p in model.parameters()}
-        assert len(dtensors) == 1, "some parameters sharded, others not"
-        wrapped[dtype] = (isinstance(model, FSDPModule), dtensors.pop())
         assert set(job.claims.values()) == {fsdp.OWNER}
-    return wrapped
+        dtensors = {isinstance(p, DTensor) for p in model.parameters()}
+        if isinstance(model, FSDPModule):
+            assert dtensors == {True}
+            layouts[dtype] = "fsdp2"
+        else:
+            assert dtensors == {False}
+            layouts[dtype] = "ddp" if isinstance(model, DDP) else "plain"
+    return layouts
 
 
-def test_fsdp2_leaves_a_one_rank_fp32_model_plain_and_wraps_every_other_case():
-    # One rank in fp32: nothing to shard, reduce or cast, so FSDP2's buffer copies
-    # are pure cost. bf16 still needs its mixed-precision policy; two ranks shard.
-    assert run_ranks(_fsdp_wrapped_by_dtype, 1)[0] == {
-        "float32": (False, False),
-        "bfloat16": (True, True),
-    }
-    assert run_ranks(_fsdp_wrapped_by_dtype, 2)[0] == {
-        "float32": (True, True),
-        "bfloat16": (True, True),
-    }
+@pytest.mark.parametrize(
+    ("world", "replicas", "fp32_layout"),
+    [(1, 1, "plain"), (2, 1, "fsdp2"), (2, 2, "ddp"), (4, 2, "fsdp2")],
+)
+def test_fsdp2_only_where_it_shards_or_casts(world, replicas, fp32_layout):
+    # In fp32 with dp_shard = 1 FSDP2 would shard, reduce-scatter and cast nothing,
+    # yet copy every gradient and gathered block through its buffers: one rank stays
+    # plain, replicas use DDP. bf16 always needs FSDP2's mixed-precision policy.
+    layouts = run_ranks(_layouts, world, replicas)[0]
+    assert layouts == {"float32": fp32_layout, "bfloat16": "fsdp2"}
 
 
 def test_adamw_is_the_default_optimizer():

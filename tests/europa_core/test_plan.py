@@ -163,13 +163,20 @@ def test_core_fsdp2_has_no_expert_parallelism_in_the_plan_either():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "ranks", "gathers"),
-    [("float32", 1, False), ("bfloat16", 1, True), ("float32", 2, True)],
+    ("dtype", "ranks", "replicas", "gathers"),
+    [
+        ("float32", 1, 1, False),
+        ("bfloat16", 1, 1, True),
+        ("float32", 2, 1, True),
+        ("float32", 2, 2, False),
+        ("float32", 4, 2, True),
+    ],
 )
-def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, gathers):
-    # One fp32 rank trains the model unwrapped (plugins/builtin/fsdp.py): no gathered
+def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, replicas, gathers):
+    # fp32 with dp_shard = 1 trains plain or DDP (plugins/builtin/fsdp.py): no gathered
     # block, no unsharded gradient buffer beside the gradients themselves.
-    config, plugins = open_session("tiny", [f'training.dtype="{dtype}"'])
+    overrides = [f'training.dtype="{dtype}"', f"parallel.dp_replicate={replicas}"]
+    config, plugins = open_session("tiny", overrides)
     plan = make_plan(config, plugins, load_profile("cpu"), ranks)
     transient = plan.device_terms["gathered_parameters"] + plan.device_terms["gradient_buffers"]
     assert (transient > 0) == gathers

@@ -89,6 +89,7 @@ def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
 ACCUMULATE_2 = "training.grad_accum_steps=2"
 VARIANTS = [
     Run("plain", ["training.steps=3", "training.batch_size=8"]),
+    Run("replicated", ["training.steps=3", "training.batch_size=8", "parallel.dp_replicate=2"]),
     Run("recomputed", ["training.steps=3", 'activation_checkpointing.mode="full"']),
     Run("accumulated", ["training.steps=3", "training.batch_size=4", ACCUMULATE_2]),
     Run("bf16", ["training.steps=3", 'training.dtype="bfloat16"']),
@@ -113,6 +114,14 @@ def test_two_ranks_equal_one_process_on_the_same_global_batch(variants, tmp_path
     single = tmp_path / "single"
     _train(single, "--nproc", "1", "--set", "training.steps=3", "--set", "training.batch_size=16")
     assert _losses_of(variants)["plain"] == pytest.approx(_losses(single), rel=1e-5)
+
+
+def test_ddp_replicas_train_like_fsdp2_shards(variants):
+    # dp_replicate = 2 in fp32 is DDP (plugins/builtin/fsdp.py), "plain" is FSDP2 over
+    # the same 2 ranks: both average the same two rank gradients.
+    losses = _losses_of(variants)
+    assert losses["replicated"] == pytest.approx(losses["plain"], rel=1e-5)
+    assert variants["replicated"][-1]["expert_load"] == variants["plain"][-1]["expert_load"]
 
 
 def test_activation_checkpointing_changes_memory_not_results(variants):

@@ -1,5 +1,6 @@
 """A checkpoint written by 2 ranks resumes on 1 and on 4 (DCP reshards it), under
-FSDP2 and FlexShard, with the weights it saved and the global batch it trained with."""
+FSDP2, FlexShard and DDP (fp32 replicas), with the weights it saved and the global batch
+it trained with."""
 
 from __future__ import annotations
 
@@ -32,7 +33,10 @@ SHAPE = ["training.seq_len=32", "training.steps=4", "checkpoint.every=2"]
 SAVED = [
     Run("fsdp", [*SHAPE, "training.batch_size=4"]),
     Run("flexshard", [*SHAPE, "training.batch_size=4"], plugins=["flexshard"]),
+    # DDP when saved; HSDP (2 replicas × 2 shards) on 4 ranks, plain on 1
+    Run("ddp", [*SHAPE, "training.batch_size=4", "parallel.dp_replicate=2"]),
 ]
+LAYOUTS = [run.name for run in SAVED]
 ON_ONE = ["training.grad_accum_steps=2"]  # 4 × 2 micro-batches on 1 rank
 ON_FOUR = ["training.batch_size=2"]  # 2 × 4 ranks
 
@@ -43,7 +47,9 @@ def resharded(tmp_path_factory):
     saved = run_ranks(train_runs, 2, str(root), SAVED, timeout=300)[0]
     on_four = [Resume(f"{run.name}-on-4", run.name, ON_FOUR) for run in SAVED]
     resumed = run_ranks(resume_runs, 4, str(root), on_four, timeout=300)[0]
-    on_one = [Resume(f"{run.name}-on-1", run.name, ON_ONE) for run in SAVED]
+    on_one = [
+        Resume(f"{run.name}-on-1", run.name, [*ON_ONE, "parallel.dp_replicate=1"]) for run in SAVED
+    ]
     resumed.update(_in_this_process(resume_runs, str(root), on_one))
     return root, saved, resumed
 
@@ -80,7 +86,7 @@ def _saved_weights(checkpoint) -> dict[str, torch.Tensor]:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "flexshard"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 4])
 def test_weights_after_resharding_equal_the_saved_ones(resharded, layout, world):
     root, _, resumed = resharded
@@ -93,7 +99,7 @@ def test_weights_after_resharding_equal_the_saved_ones(resharded, layout, world)
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["fsdp", "flexshard"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("world", [1, 4])
 def test_the_loss_curve_continues_on_another_world_size(resharded, layout, world):
     _, saved, resumed = resharded

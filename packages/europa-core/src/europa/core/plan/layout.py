@@ -13,7 +13,7 @@ Its keys (all per rank of the group that splits the parameters):
 ``adamw_tensors``     tensors that carry an AdamW step counter on every rank
 ``gathered_unit_elements``
                       {unit: elements} gathered whole before each use of the unit
-                      (none when one fp32 rank leaves the model unwrapped)
+                      (none in fp32 with dp_shard = 1: plain or DDP, nothing gathered)
 ``gather_group_size`` ranks in that gather
 ``optimizer_step_gather_elements``
                       elements gathered inside ``optimizer.step()`` (Muon on
@@ -46,7 +46,7 @@ def _ranges_to_list(diff: list[int]) -> list[int]:
 
 
 def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, plain: bool = False) -> dict:
-    """``plain``: the model stays unwrapped (one fp32 rank), so nothing is gathered."""
+    """``plain``: FSDP2 is not applied (fp32, ``dp_shard = 1``), so nothing is gathered."""
     stored = [0] * (ranks + 1)  # difference arrays: O(parameters + ranks)
     local = {"muon": [0] * (ranks + 1), "adamw": [0] * (ranks + 1)}
     adamw_tensors = 0

@@ -10,11 +10,14 @@ averaging (a custom divide factor would need PREMUL_SUM, which gloo lacks).
 and optimizer state, bf16 gathered parameters and compute, fp32 gradient
 reduction.
 
-A data-parallel mesh of one rank in fp32 is left unwrapped: FSDP2 there has
-nothing to shard or reduce, yet still copies every gradient into a flat reduce
-buffer and back, and every gathered block out of its all-gather buffer (about
-3% of a debug step on CPU). Plain parameters are what a one-process run holds,
-and every hook below handles them; checkpoints stay interchangeable because
+In fp32 with ``dp_shard = 1`` nothing is sharded, so FSDP2 is not used: it
+would still copy every gradient into a flat reduce buffer and back, and every
+gathered block out of its all-gather buffer (about 9% of a ``debug`` step on
+CPU). One rank keeps the model plain; ``dp_replicate > 1`` ranks replicate it
+with torch's composable ``replicate`` (DDP: gradients averaged in buckets while
+backward runs, parameter names unchanged). DDP builds itself at the first
+forward, after the parameters are materialised. Every hook below handles plain
+parameters, and checkpoints stay interchangeable between layouts because
 torch.distributed.checkpoint reshards plain tensors and DTensors alike.
 
 The hooks that depend on where parameters live (init, clipping, checkpoint
@@ -36,9 +39,9 @@ def data_parallel_mesh(job):
     return job.mesh["dp_shard"]
 
 
-def leaves_plain(data_parallel_ranks: int, dtype: str) -> bool:
-    """Whether the model stays unwrapped: one data-parallel rank in fp32."""
-    return data_parallel_ranks == 1 and dtype == "float32"
+def shards_with_fsdp2(dp_shard: int, dtype: str) -> bool:
+    """False where nothing is sharded or cast (fp32, ``dp_shard = 1``): plain or DDP."""
+    return dp_shard > 1 or dtype != "float32"
 
 
 def mixed_precision(dtype: str):
@@ -60,11 +63,16 @@ def europa_shard_model(job, model):
         )
     from torch.distributed.fsdp import fully_shard
 
-    mesh = data_parallel_mesh(job)
     dtype = job.config.training.dtype
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
-    if leaves_plain(mesh.size(), dtype):
+    if not shards_with_fsdp2(job.mesh["dp_shard"].size(), dtype):
+        replicas = job.mesh["dp_replicate"]
+        if replicas.size() > 1:
+            from torch.distributed._composable.replicate import replicate
+
+            replicate(model, process_group=replicas.get_group(), gradient_as_bucket_view=True)
         return model
+    mesh = data_parallel_mesh(job)
     policy = mixed_precision(dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
