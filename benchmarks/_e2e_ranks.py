@@ -74,12 +74,14 @@ def _after(first, fn):
 
 
 def torchtitan_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
-    """Each of ``args["variants"]`` (name, fp32 experts) in turn, in this process group."""
+    """Each of ``args["variants"]`` (``e2e.TORCHTITAN_VARIANTS``) in turn, in this group."""
     from _torchtitan_cpu import run_trainer  # patches torchtitan on import
 
     return {
-        name: run_trainer(rank, world, {**args, "fp32_experts": fp32_experts})
-        for name, fp32_experts in args["variants"]
+        v["name"]: run_trainer(
+            rank, world, {**args, "fp32_experts": v["fp32_experts"], "replicate": v["replicate"]}
+        )
+        for v in args["variants"]
     }
 
 

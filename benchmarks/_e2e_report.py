@@ -21,8 +21,21 @@ def _find(configs: list[dict], name: str, world: int) -> dict | None:
     return next((c for c in configs if c["config"] == name and c["ranks"] == world), None)
 
 
+def _best_torchtitan(configs: list[dict], family: str, world: int) -> dict | None:
+    """torchtitan's fastest layout of one expert dtype (``family`` and ``family-<layout>``)."""
+    theirs = [
+        c
+        for c in configs
+        if c["system"] == "torchtitan"
+        and c["ranks"] == world
+        and (c["config"] == family or c["config"].startswith(f"{family}-"))
+    ]
+    return max(theirs, key=lambda c: c["tokens_per_s"], default=None)
+
+
 def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
-    """europa's fastest layout at each rank count against torchtitan (both variants),
+    """europa's fastest layout at each rank count against torchtitan's fastest layout of
+    each expert dtype (as shipped, fp32 experts),
     every configuration's 2-rank / 1-rank throughput, and the targets as booleans (None
     where this run lacks what a target needs: 1 and 2 ranks, both systems)."""
     worlds = sorted({c["ranks"] for c in configs})
@@ -33,9 +46,10 @@ def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
             continue
         row: dict[str, Any] = {"europa_config": best["config"]}
         for titan in ("torchtitan-shipped", "torchtitan-fp32-experts"):
-            other = _find(configs, titan, world)
+            other = _best_torchtitan(configs, titan, world)
             ratio = best["tokens_per_s"] / other["tokens_per_s"] if other else None
             row[f"over_{titan}"] = ratio
+            row[f"{titan}_config"] = other["config"] if other else None
         vs[f"{world}_rank"] = row
     scaling = {}
     for one in (c for c in configs if c["ranks"] == 1):

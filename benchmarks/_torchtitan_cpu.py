@@ -222,9 +222,13 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     )
     # Its default "spmd_types" backend refuses FSDP on these CPU ranks (a norm weight stays
     # a plain tensor: "all parameters must be DTensors on the full SPMD mesh");
-    # "partial_dtensor" is plain FSDP2 over the data-parallel ranks, as europa's core layout.
+    # "partial_dtensor" is plain FSDP2 over the data-parallel ranks, as europa's core layout,
+    # or with ``replicate`` HSDP over ``world`` replicas of one shard each.
+    replicas = world if args.get("replicate") else 1
     config.parallelism = ParallelismConfig(
-        data_parallel_shard_degree=world, spmd_backend="partial_dtensor"
+        data_parallel_shard_degree=world // replicas,
+        data_parallel_replicate_degree=replicas,
+        spmd_backend="partial_dtensor",
     )
     config.checkpoint = CheckpointManager.Config(enable=False)
     config.activation_checkpoint = None  # europa's runs recompute nothing either

@@ -63,7 +63,18 @@ LAYOUTS = (
     {"name": "flexshard-ep2+overlap", "plugins": ["flexshard", "overlap"],
      "overrides": ["flexshard.log_plan=false", "parallel.ep=2", *OVERLAP], "min_world": 2},
 )  # fmt: skip
-TORCHTITAN_VARIANTS = (("torchtitan-shipped", False), ("torchtitan-fp32-experts", True))
+# torchtitan as shipped (routed experts cast to bf16) and with fp32 experts, each under
+# FSDP2 and, at 2 ranks, under its best replicated layout too (HSDP over 2 replicas of one
+# shard: torchtitan 0.3.0 has no DDP), so europa's DDP meets torchtitan's fastest layout.
+TORCHTITAN_VARIANTS = (
+    {"name": "torchtitan-shipped", "fp32_experts": False, "replicate": False, "min_world": 1},
+    {"name": "torchtitan-fp32-experts", "fp32_experts": True, "replicate": False,
+     "min_world": 1},
+    {"name": "torchtitan-shipped-hsdp", "fp32_experts": False, "replicate": True,
+     "min_world": 2},
+    {"name": "torchtitan-fp32-experts-hsdp", "fp32_experts": True, "replicate": True,
+     "min_world": 2},
+)  # fmt: skip
 
 
 def _parse() -> argparse.Namespace:
@@ -178,7 +189,8 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     titan_args = {"preset": "debug", "overrides": overrides[:2], "log_every": args.log_every,
                   "data_dir": root, "steps": args.warmup + args.steps + args.profile_steps,
                   **timing}  # fmt: skip
-    titan = run_alone(torchtitan_runs, world, titan_args, "variants", TORCHTITAN_VARIANTS)
+    variants = [v for v in TORCHTITAN_VARIANTS if world >= v["min_world"]]
+    titan = run_alone(torchtitan_runs, world, titan_args, "variants", variants)
     after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
     peak = _peak(before, after)
     runs = [("europa", europa), ("torchtitan", titan)]
