@@ -16,6 +16,7 @@ from europa.core.plan import load_profile, make_plan, shipped_profiles
 from europa.core.plan.activations import block_activations
 from europa.core.plan.layout import fsdp2_layout
 from europa.core.plan.memory import HostOffload, activations
+from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.search import search, with_batch
 from europa.core.plan.shapes import ModelShapes, ParameterShape
 from europa.core.session import open_session
@@ -163,21 +164,24 @@ def test_core_fsdp2_has_no_expert_parallelism_in_the_plan_either():
 
 
 @pytest.mark.parametrize(
-    ("dtype", "ranks", "replicas", "gathers"),
+    ("dtype", "ranks", "replicas", "form"),
     [
-        ("float32", 1, 1, False),
-        ("bfloat16", 1, 1, True),
-        ("float32", 2, 1, True),
-        ("float32", 2, 2, False),
-        ("float32", 4, 2, True),
+        ("float32", 1, 1, "plain"),
+        ("bfloat16", 1, 1, "fsdp2"),
+        ("float32", 2, 1, "fsdp2"),
+        ("float32", 2, 2, "ddp"),
+        ("float32", 4, 2, "hsdp"),
     ],
 )
-def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, replicas, gathers):
+def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, replicas, form):
     # fp32 with dp_shard = 1 trains plain or DDP (plugins/builtin/fsdp.py): no gathered
     # block, no unsharded gradient buffer beside the gradients themselves.
     overrides = [f'training.dtype="{dtype}"', f"parallel.dp_replicate={replicas}"]
     config, plugins = open_session("tiny", overrides)
     plan = make_plan(config, plugins, load_profile("cpu"), ranks)
     transient = plan.device_terms["gathered_parameters"] + plan.device_terms["gradient_buffers"]
+    gathers = form in ("fsdp2", "hsdp")
     assert (transient > 0) == gathers
     assert bool(plan.layout["gathered_unit_elements"]) == gathers
+    assert plan_json(plan)["layout_form"] == form
+    assert plan_table(plan).splitlines()[0].endswith(f"layout core.fsdp2 ({form})")

@@ -87,9 +87,16 @@ def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
 # What changes memory or arithmetic but not the model's course: these runs share one
 # spawned group of 2 ranks (each run is what a rank of `europa train` does).
 ACCUMULATE_2 = "training.grad_accum_steps=2"
+REPLICATED_RECOMPUTED = [
+    "training.steps=3",
+    "training.batch_size=4",
+    "parallel.dp_replicate=2",
+    'activation_checkpointing.mode="full"',
+]
 VARIANTS = [
     Run("plain", ["training.steps=3", "training.batch_size=8"]),
     Run("replicated", ["training.steps=3", "training.batch_size=8", "parallel.dp_replicate=2"]),
+    Run("replicated-recomputed-accumulated", [*REPLICATED_RECOMPUTED, ACCUMULATE_2]),
     Run("recomputed", ["training.steps=3", 'activation_checkpointing.mode="full"']),
     Run("accumulated", ["training.steps=3", "training.batch_size=4", ACCUMULATE_2]),
     Run("bf16", ["training.steps=3", 'training.dtype="bfloat16"']),
@@ -122,6 +129,8 @@ def test_ddp_replicas_train_like_fsdp2_shards(variants):
     losses = _losses_of(variants)
     assert losses["replicated"] == pytest.approx(losses["plain"], rel=1e-5)
     assert variants["replicated"][-1]["expert_load"] == variants["plain"][-1]["expert_load"]
+    # DDP reduces once per micro-batch backward, recomputed blocks included
+    assert losses["replicated-recomputed-accumulated"] == pytest.approx(losses["plain"], rel=1e-5)
 
 
 def test_activation_checkpointing_changes_memory_not_results(variants):

@@ -5,6 +5,8 @@ imports nothing of europa-core, can replace it from its ``europa_plan`` hook.
 Its keys (all per rank of the group that splits the parameters):
 
 ``owner``, ``group_size``
+``form``              (optional) how the owner holds it, e.g. core's "plain", "ddp",
+                      "fsdp2" or "hsdp"
 ``stored_elements``   list: elements of parameter storage each rank allocates;
                       gradients take the same (FSDP2 reduces into padded buffers)
 ``muon_elements``, ``adamw_elements``
@@ -45,8 +47,10 @@ def _ranges_to_list(diff: list[int]) -> list[int]:
     return list(accumulate(diff[:-1]))
 
 
-def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, plain: bool = False) -> dict:
-    """``plain``: FSDP2 is not applied (fp32, ``dp_shard = 1``), so nothing is gathered."""
+def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, form: str = "fsdp2") -> dict:
+    """``form``: "fsdp2" (or "hsdp"), or "plain" / "ddp" where core leaves FSDP2 out (fp32,
+    ``dp_shard = 1``): nothing is gathered then."""
+    plain = form in ("plain", "ddp")
     stored = [0] * (ranks + 1)  # difference arrays: O(parameters + ranks)
     local = {"muon": [0] * (ranks + 1), "adamw": [0] * (ranks + 1)}
     adamw_tensors = 0
@@ -74,6 +78,7 @@ def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, plain: bool
         units[p.unit] = units.get(p.unit, 0) + chunk * ranks * rest
     return {
         "owner": FSDP2,
+        "form": form,
         "group_size": ranks,
         "stored_elements": _ranges_to_list(stored),
         "muon_elements": _ranges_to_list(local["muon"]),

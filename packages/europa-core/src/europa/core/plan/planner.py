@@ -161,13 +161,16 @@ def plugin_plan(
 ) -> dict[str, Any]:
     """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
     FSDP2 layout unless a layout plugin replaced it."""
-    _, shard, ep = mesh_shape(job.config.parallel, job.world_size)
-    plain = not shards_with_fsdp2(shard, job.config.training.dtype)
+    replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
+    if shards_with_fsdp2(shard, job.config.training.dtype):
+        form = "hsdp" if replicate > 1 else "fsdp2"
+    else:
+        form = "ddp" if replicate > 1 else "plain"
     plan: dict[str, Any] = {
         "world_size": job.world_size,
         "parameter_shapes": shapes.as_dict(),
         "parameter_itemsize": itemsize,
-        "layout": fsdp2_layout(shapes, shard, job.config.optimizer.name, plain=plain),
+        "layout": fsdp2_layout(shapes, shard, job.config.optimizer.name, form=form),
     }
     if hardware is not None:
         plan["hardware"] = hardware.as_dict()

@@ -19,6 +19,11 @@ def _step(t: StepTime, tokens_per_step: int) -> dict[str, Any]:
     }
 
 
+def _layout_name(layout: dict) -> str:
+    form = layout.get("form")
+    return f"{layout['owner']} ({form})" if form else layout["owner"]
+
+
 def plan_json(plan: Plan) -> dict[str, Any]:
     counts = plan.shapes.counts
     state = plan.state.totals()
@@ -29,6 +34,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "world_size": plan.world_size,
         "mesh": {"dp_replicate": replicate, "dp_shard": shard, "ep": ep},
         "layout": plan.layout["owner"],
+        "layout_form": plan.layout.get("form"),
         "parameters": {
             **counts.as_dict(),
             "per_tensor": {p.name: p.numel for p in plan.shapes.parameters},
@@ -82,7 +88,7 @@ def plan_table(plan: Plan) -> str:
     lines = [
         f"europa plan: {plan.config.run.name} on {plan.hardware.name}, {plan.world_size} "
         f"rank(s) (dp_replicate {replicate} × dp_shard {shard} × ep {ep}), "
-        f"layout {plan.layout['owner']}",
+        f"layout {_layout_name(plan.layout)}",
         f"  parameters: {_count(counts.total)} total, {_count(counts.active_per_token)} active "
         f"per token, {_count(counts.routed_experts)} in routed experts",
         "",
