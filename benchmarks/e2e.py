@@ -208,7 +208,7 @@ def run_alone(fn, world: int, args: dict, key: str, configurations) -> dict[str,
     Run one after another in the same processes, the second europa layout took 20-30%
     longer per step than it did when run first, whichever layout it was (user CPU time
     per step unchanged, the idle time grew: fewer cores busy), so the order of the
-    configurations decided part of their ratio. The cause was the first run's final
+    configurations decided part of their ratio. The likely cause is the first run's final
     checkpoint: DCP's plans gathered through gloo left libgomp throttled (see
     ``_alone`` in ``europa.core.train.checkpoint`` and ``benchmarks/checkpoint_steps.py``);
     fresh ranks keep the configurations independent of any such state anyway."""
