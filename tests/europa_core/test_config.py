@@ -149,8 +149,9 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         }
     if draw(st.booleans()):
         out["parallel.dp_shard"] = draw(st.one_of(st.just(-1), st.integers(1, 4096)))
-    if draw(st.booleans()):  # one folder name: non-empty, no "/" or NUL, at most 200 bytes
-        name = draw(st.text(st.characters(exclude_characters="/\0"), min_size=1, max_size=50))
+    if draw(st.booleans()):  # one folder name: UTF-8, non-empty, no "/" or NUL, <= 200 bytes
+        letters = st.characters(exclude_characters="/\0", exclude_categories=["Cs"])
+        name = draw(st.text(letters, min_size=1, max_size=50))
         out["run.name"] = name
     return out
 

@@ -70,6 +70,8 @@ CASES = [
          "optimizer.lr", "nan", "a finite number > 0"),
     Case("run-name-with-a-slash", ("--set", "run.name=../elsewhere"),
          "run.name", '"../elsewhere"', 'a non-empty folder name without "/"'),
+    Case("run-name-not-utf8", ("--set", "run.name=caf\udce9"),  # argv bytes b"caf\xe9"
+         "run.name", '"caf\\udce9"', "UTF-8 text (config.toml stores it)"),
     Case("config-file-missing", ("nosuch.toml",),
          "config", '"nosuch.toml"', "a TOML file or a preset name"),
     Case("config-file-not-utf8", ("latin1.toml",),
