@@ -72,6 +72,8 @@ CASES = [
          "run.name", '"../elsewhere"', 'a non-empty folder name without "/"'),
     Case("run-name-not-utf8", ("--set", "run.name=caf\udce9"),  # argv bytes b"caf\xe9"
          "run.name", '"caf\\udce9"', "UTF-8 text (config.toml stores it)"),
+    Case("data-path-not-utf8", ("--set", "data.path=latin1-d\udce9"),  # an existing folder
+         "data.path", '"latin1-d\\udce9"', "UTF-8 text (config.toml stores it)"),
     Case("config-file-missing", ("nosuch.toml",),
          "config", '"nosuch.toml"', "a TOML file or a preset name"),
     Case("config-file-not-utf8", ("latin1.toml",),
@@ -115,6 +117,9 @@ def _inputs(root: Path) -> None:
     (root / "offload.toml").write_text("[offload]\nactivations = true\n")
     (root / "latin1.toml").write_bytes('[run]\nname = "café"\n'.encode("latin-1"))
     (root / "broken.toml").write_text("[training\nsteps = 3\n")
+    latin1_data = root / os.fsdecode(b"latin1-d\xe9")  # "latin1-d\udce9" in Python
+    latin1_data.mkdir()
+    (latin1_data / "text.txt").write_text("Some text to train on.\n" * 2000)
     (root / "empty").mkdir()
     (root / "no-checkpoint").mkdir()
     (root / "no-checkpoint" / CONFIG_FILE).write_text('preset = "tiny"\n')

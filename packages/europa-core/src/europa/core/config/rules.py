@@ -76,9 +76,5 @@ def _check_run_name(name: str) -> None:
     """The default run directory is ``runs/<name>-<time>``: the name must stay one folder."""
     if not name or "/" in name or "\0" in name:
         raise fail("run.name", name, 'a non-empty folder name without "/" or NUL')
-    try:  # a name from non-UTF-8 argv bytes carries surrogates, which config.toml cannot
-        encoded = name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise fail("run.name", name, "UTF-8 text (config.toml stores it)") from None
-    if len(encoded) > MAX_RUN_NAME_BYTES:
+    if len(name.encode("utf-8")) > MAX_RUN_NAME_BYTES:  # UTF-8: values.coerce checked it
         raise fail("run.name", name, f"at most {MAX_RUN_NAME_BYTES} bytes (a folder name)")

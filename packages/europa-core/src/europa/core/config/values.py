@@ -102,10 +102,26 @@ def _within_bounds(bounds: Bounds, value: Any) -> bool:
     return not (bounds.le is not None and value > bounds.le)
 
 
+def _is_utf8(value: Any) -> bool:
+    """False for text with lone surrogates: what non-UTF-8 argv bytes (a Latin-1 file
+    name, say) decode to, and what the resolved config.toml cannot hold."""
+    if isinstance(value, list):
+        return all(_is_utf8(item) for item in value)
+    if not isinstance(value, str):
+        return True
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def coerce(key: str, annotation: Any, field: Field, value: Any) -> Any:
     """Check one value; return it in the field's Python type or raise ConfigError."""
     if not _matches_type(annotation, value) or not _within_bounds(bounds_of(field), value):
         raise fail(key, value, describe(annotation, field))
+    if not _is_utf8(value):
+        raise fail(key, value, "UTF-8 text (config.toml stores it)")
     if annotation is float:
         return float(value)
     if typing.get_origin(annotation) is list:
