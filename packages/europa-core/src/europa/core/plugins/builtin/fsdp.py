@@ -1,4 +1,4 @@
-"""Core's default layout: FSDP2 over the data-parallel mesh axes.
+"""Core's default layout: FSDP2 over the data-parallel axes (plain or DDP in fp32 unsharded).
 
 ``europa_shard_model``: each transformer block is one FSDP unit (its
 parameters are gathered together just before it runs and freed after), the
