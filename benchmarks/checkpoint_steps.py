@@ -27,29 +27,20 @@ import statistics
 import subprocess
 import sys
 
+from _one_rank import trial_env
+
 TRIAL = r"""
-import json, os, statistics, sys, tempfile, time, warnings
-from pathlib import Path
+import json, os, statistics, sys, time, warnings
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 warnings.filterwarnings("ignore")
-from europa.core.job import Job
-from europa.core.run_dir import prepare_run_dir
-from europa.core.session import open_session
+from _one_rank import one_rank_trainer
 from europa.core.train import checkpoint
-from europa.core.train.distributed import ProcessPlace, init_distributed
-from europa.core.train.loop import Trainer, use_deterministic_algorithms
 preset, steps, variant = sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if variant == "through_group":
     checkpoint._alone = lambda: False
-config, plugins = open_session(preset, ["metrics.progress=false", "training.steps=1000"], [])
-use_deterministic_algorithms(config.training.deterministic)
-run_dir = Path(tempfile.mkdtemp()) / "run"
-prepare_run_dir(config, run_dir, resume=False)
-device, mesh = init_distributed(config.parallel, ProcessPlace(0, 1, 0, "single"))
-job = Job(config=config, run_dir=run_dir, rank=0, world_size=1, local_rank=0,
-          device=device, mesh=mesh)
-trainer = Trainer(job, plugins, False)
+trainer = one_rank_trainer(preset, ["metrics.progress=false", "training.steps=1000"])
+run_dir = trainer.job.run_dir
 step = 0
 def timed(n):
     global step
@@ -74,7 +65,7 @@ VARIANTS = ("alone", "through_group")
 
 
 def trial(variant: str, args: argparse.Namespace) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    env = trial_env(args.threads)
     command = [sys.executable, "-c", TRIAL, str(args.threads), args.preset, str(args.steps)]
     done = subprocess.run([*command, variant], env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])

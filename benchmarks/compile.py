@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ import torch
 from step_cost import TRIAL, loss_curve_difference, summary, trial
 
 VARIANTS = ("eager", "attention", "dense")
-BUILT = "trainer = Trainer(job, plugins, False)\n"
+BUILT = "trainer = one_rank_trainer(preset, overrides)\n"
 COMPILE = r"""
 import os
 variant = os.environ.get("EUROPA_BENCH_COMPILE", "eager")
@@ -63,8 +62,7 @@ SCRIPT = (
 
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict:
-    os.environ["EUROPA_BENCH_COMPILE"] = variant
-    return trial([], args, SCRIPT)
+    return trial([], args, SCRIPT, EUROPA_BENCH_COMPILE=variant)
 
 
 def whole_block_error(args: argparse.Namespace) -> str | None:

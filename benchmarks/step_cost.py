@@ -21,41 +21,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from _one_rank import trial_env
+
 REPO = Path(__file__).resolve().parents[1]
 
 TRIAL = r"""
-import json, os, resource, sys, tempfile, time, warnings
-from pathlib import Path
+import json, resource, sys, time, warnings
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 warnings.filterwarnings("ignore")
-from europa.core.job import Job
-from europa.core.run_dir import prepare_run_dir
-from europa.core.session import open_session
-from europa.core.train.distributed import ProcessPlace, init_distributed
-from europa.core.train.loop import Trainer
+from _one_rank import one_rank_trainer
 preset, warmup, steps = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 overrides = ["metrics.progress=false", f"training.steps={warmup + steps}", *sys.argv[5:]]
-config, plugins = open_session(preset, overrides, [])
-try:  # as run_training does; refs older than the helper set torch's mode themselves
-    from europa.core.train.loop import use_deterministic_algorithms
-except ImportError:
-    def use_deterministic_algorithms(on):
-        torch.use_deterministic_algorithms(on, warn_only=True)
-use_deterministic_algorithms(config.training.deterministic)
-run_dir = Path(tempfile.mkdtemp()) / "run"
-prepare_run_dir(config, run_dir, resume=False)
-device, mesh = init_distributed(config.parallel, ProcessPlace(0, 1, 0, "single"))
-job = Job(config=config, run_dir=run_dir, rank=0, world_size=1, local_rank=0,
-          device=device, mesh=mesh)
-trainer = Trainer(job, plugins, False)
+trainer = one_rank_trainer(preset, overrides)
 losses = [trainer.step(step)["loss"] for step in range(warmup)]
 wall, cpu = [], []
 for step in range(warmup, warmup + steps):
@@ -79,11 +63,10 @@ def export(ref: str, into: Path) -> list[str]:
     return sorted(str(src) for src in into.glob("packages/*/src"))
 
 
-def trial(pythonpath: list[str], args: argparse.Namespace, script: str = TRIAL) -> dict:
-    """One fresh process running ``script`` (``TRIAL`` or a variant of it)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    if pythonpath:
-        env["PYTHONPATH"] = os.pathsep.join([*pythonpath, env.get("PYTHONPATH", "")])
+def trial(pythonpath: list[str], args: argparse.Namespace, script: str = TRIAL, **env: str) -> dict:
+    """One fresh process running ``script`` (``TRIAL`` or a variant of it), with ``env``
+    added to its environment."""
+    env = {**trial_env(args.threads, pythonpath), **env}
     command = [sys.executable, "-c", script, str(args.threads), args.preset]
     command += [str(args.warmup), str(args.steps), *args.set]
     done = subprocess.run(command, env=env, check=True, capture_output=True, text=True)
