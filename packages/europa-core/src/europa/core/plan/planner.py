@@ -35,7 +35,7 @@ from europa.core.plan.timing import (
     step_time,
 )
 from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
-from europa.core.plugins.builtin.fsdp import shards_with_fsdp2
+from europa.core.plugins.builtin.fsdp import data_parallel_form
 from europa.core.train.distributed import mesh_shape
 from europa.core.units import human
 
@@ -162,10 +162,7 @@ def plugin_plan(
     """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
     FSDP2 layout unless a layout plugin replaced it."""
     replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
-    if shards_with_fsdp2(shard, job.config.training.dtype):
-        form = "hsdp" if replicate > 1 else "fsdp2"
-    else:
-        form = "ddp" if replicate > 1 else "plain"
+    form = data_parallel_form(replicate, shard, job.config.training.dtype)
     plan: dict[str, Any] = {
         "world_size": job.world_size,
         "parameter_shapes": shapes.as_dict(),

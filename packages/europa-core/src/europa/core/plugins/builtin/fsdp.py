@@ -39,9 +39,12 @@ def data_parallel_mesh(job):
     return job.mesh["dp_shard"]
 
 
-def shards_with_fsdp2(dp_shard: int, dtype: str) -> bool:
-    """False where nothing is sharded or cast (fp32, ``dp_shard = 1``): plain or DDP."""
-    return dp_shard > 1 or dtype != "float32"
+def data_parallel_form(dp_replicate: int, dp_shard: int, dtype: str) -> str:
+    """How core holds the model: "fsdp2" or "hsdp" where it shards or casts, else
+    (fp32, ``dp_shard = 1``) "plain" on one rank or "ddp" over replicas."""
+    if dp_shard > 1 or dtype != "float32":
+        return "hsdp" if dp_replicate > 1 else "fsdp2"
+    return "ddp" if dp_replicate > 1 else "plain"
 
 
 def mixed_precision(dtype: str):
@@ -65,12 +68,13 @@ def europa_shard_model(job, model):
 
     dtype = job.config.training.dtype
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
-    if not shards_with_fsdp2(job.mesh["dp_shard"].size(), dtype):
-        replicas = job.mesh["dp_replicate"]
-        if replicas.size() > 1:
-            from torch.distributed._composable.replicate import replicate
+    replicas = job.mesh["dp_replicate"]
+    form = data_parallel_form(replicas.size(), job.mesh["dp_shard"].size(), dtype)
+    if form == "ddp":
+        from torch.distributed._composable.replicate import replicate
 
-            replicate(model, process_group=replicas.get_group(), gradient_as_bucket_view=True)
+        replicate(model, process_group=replicas.get_group(), gradient_as_bucket_view=True)
+    if form in ("plain", "ddp"):
         return model
     mesh = data_parallel_mesh(job)
     policy = mixed_precision(dtype)
