@@ -62,6 +62,10 @@ COUPLED = {
     "model.max_seq_len",
     "training.seq_len",
     "parallel.dp_shard",
+    "parallel.ep_dispatch",
+    "parallel.ep_dispatch_dtype",
+    "parallel.ep_max_nodes_per_token",
+    "parallel.ep_keep_exchanges",  # needs activation checkpointing's table: not drawn here
 }
 INT64 = 2**63 - 1
 
@@ -131,13 +135,21 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
             groups = draw(st.sampled_from(grouped))
             limited = draw(st.integers(1, groups))
             reachable = limited * (experts // groups)
+        ep = draw(st.integers(1, experts))
         out |= {
             "model.num_experts": experts,
             "model.num_expert_groups": groups,
             "model.num_limited_groups": limited,
             "model.top_k": draw(st.integers(1, reachable)),
-            "parallel.ep": draw(st.integers(1, experts)),
+            "parallel.ep": ep,
         }
+        if ep > 1 and draw(st.booleans()):  # the exchange keys need expert parallelism
+            out["parallel.ep_dispatch"] = draw(st.sampled_from(["auto", "flat", "two_level"]))
+            out["parallel.ep_dispatch_dtype"] = draw(
+                st.sampled_from(["compute", "bfloat16", "float8_e4m3fn"])
+            )
+            if not groups and experts % ep == 0:  # the node limit sets the groups itself
+                out["parallel.ep_max_nodes_per_token"] = draw(st.integers(0, 2**31))
     if draw(st.booleans()):
         layers = draw(st.integers(1, 200))
         out |= {"model.n_layers": layers, "model.n_dense_layers": draw(st.integers(0, layers - 1))}

@@ -29,6 +29,7 @@ class Job:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
+    ranks_per_node: int = 0  # what the launcher (or a planned machine) says; 0: not said
     device: torch.device | None = None
     mesh: DeviceMesh | None = None
     emit_metrics: Callable[[dict[str, Any]], None] = lambda record: None
@@ -39,6 +40,13 @@ class Job:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def node_size(self) -> int:
+        """Ranks sharing one node: ``parallel.ranks_per_node``, else the launcher's, else all."""
+        from europa.core.train.distributed import ranks_per_node
+
+        return ranks_per_node(self.config.parallel, self.world_size, self.ranks_per_node)
 
     def claim(self, owner: str, parameter_names: Iterable[str]) -> None:
         """Record that ``owner`` lays out these parameters; a second owner is an error."""

@@ -21,10 +21,50 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
     m, t, p = config.model, config.training, config.parallel
     if p.ep > m.num_experts:  # uneven splits are fine: 6 experts over 4 ranks is 2, 2, 1, 1
         raise fail("parallel.ep", p.ep, f"at most model.num_experts ({m.num_experts})")
+    _check_expert_exchange(config)
     if p.dp_shard == 0:
         raise fail("parallel.dp_shard", p.dp_shard, "-1 (all remaining ranks) or an integer > 0")
     if t.seq_len > m.max_seq_len:
         raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
+
+
+_EXCHANGE_DEFAULTS = {
+    "ep_dispatch": "auto",
+    "ep_dispatch_dtype": "compute",
+    "ep_max_nodes_per_token": 0,
+    "ep_keep_exchanges": False,
+}
+
+
+def _check_expert_exchange(config: EuropaConfig) -> None:
+    """The expert-exchange keys need expert parallelism; the node limit needs routing
+    groups that follow the nodes. What needs the world size: ``train.distributed``."""
+    m, p = config.model, config.parallel
+    if p.ep == 1:
+        for key, default in _EXCHANGE_DEFAULTS.items():
+            if getattr(p, key) != default:
+                raise fail(f"parallel.{key}", getattr(p, key), "its default when parallel.ep = 1 "
+                           "(no token is exchanged)")  # fmt: skip
+    checkpointing = config.extensions.get("activation_checkpointing")
+    if p.ep_keep_exchanges and getattr(checkpointing, "mode", "none") != "full":
+        raise fail("parallel.ep_keep_exchanges", True, 'activation_checkpointing.mode = "full" '
+                   "(only a recomputed forward exchanges again)")  # fmt: skip
+    limit = p.ep_max_nodes_per_token
+    if not limit:
+        return
+    if m.num_expert_groups:
+        raise fail(
+            "model.num_expert_groups",
+            m.num_expert_groups,
+            "0 when parallel.ep_max_nodes_per_token is set (the routing groups are the nodes)",
+        )
+    if m.num_experts % p.ep:
+        raise fail(
+            "parallel.ep_max_nodes_per_token",
+            limit,
+            f"0 unless model.num_experts ({m.num_experts}) is a multiple of parallel.ep "
+            f"({p.ep}): an uneven split leaves a routing group straddling two nodes",
+        )
 
 
 def _check_model(config: EuropaConfig) -> None:

@@ -98,6 +98,37 @@ class ParallelConfig:
     ep: int = setting(
         1, gt=0, doc="expert-parallel degree: routed experts split over this many ranks"
     )
+    ranks_per_node: int = setting(
+        0,
+        ge=0,
+        doc="ranks sharing one node's fast link, numbered node by node; 0: the launcher's "
+        "LOCAL_WORLD_SIZE (europa plan: the hardware profile's gpus_per_node)",
+    )
+    ep_dispatch: str = setting(
+        "auto",
+        choices=("auto", "flat", "two_level"),
+        doc="expert exchange: flat sends one row per (token, expert); two_level sends each "
+        "token once per destination node, then fans out inside the node; auto: two_level "
+        "when an ep group spans more than one node",
+    )
+    ep_dispatch_dtype: str = setting(
+        "compute",
+        choices=("compute", "bfloat16", "float8_e4m3fn"),
+        doc="dtype of the tokens sent towards the experts (forward dispatch, backward of "
+        "combine); float8_e4m3fn carries a scale per 128 values; the combine direction "
+        "travels in bfloat16 when this is lower than the compute dtype",
+    )
+    ep_max_nodes_per_token: int = setting(
+        0,
+        ge=0,
+        doc="route each token to experts on at most this many nodes of its ep group (the "
+        "router's groups become the nodes); changes the model's routing; 0: off",
+    )
+    ep_keep_exchanges: bool = setting(
+        False,
+        doc="under full activation checkpointing, keep the expert exchanges' results as saved "
+        "tensors so the recomputed forward sends nothing",
+    )
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
     collective_timeout_s: float = setting(

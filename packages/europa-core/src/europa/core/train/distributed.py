@@ -8,6 +8,7 @@ leave.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ class ProcessPlace:
     world_size: int
     local_rank: int
     source: str  # "torchrun", "slurm" or "single"
+    local_world_size: int = 0  # ranks on this node as the launcher says (0: not said)
+    node_rank: int | None = None  # this node's number among the job's nodes, if said
 
 
 def _int_env(environ: dict[str, str], name: str) -> int:
@@ -49,14 +52,19 @@ def detect_launcher(environ: dict[str, str] | None = None) -> ProcessPlace | Non
             _int_env(env, "WORLD_SIZE"),
             _int_env(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0,
             "torchrun",
+            _int_env(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else 0,
+            _int_env(env, "GROUP_RANK") if "GROUP_RANK" in env else None,
         )
     if "SLURM_PROCID" in env and _int_env(env, "SLURM_NTASKS") > 1:
         _require_rendezvous(env, "slurm")
+        per_node = env.get("SLURM_NTASKS_PER_NODE", "").split("(")[0]
         return ProcessPlace(
             _int_env(env, "SLURM_PROCID"),
             _int_env(env, "SLURM_NTASKS"),
             _int_env(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0,
             "slurm",
+            int(per_node) if per_node.isdigit() else 0,
+            _int_env(env, "SLURM_NODEID") if "SLURM_NODEID" in env else None,
         )
     return None
 
@@ -92,6 +100,77 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int
             f"{others * parallel.dp_shard}: expected the {world_size} ranks"
         )
     return parallel.dp_replicate, parallel.dp_shard, parallel.ep
+
+
+def ranks_per_node(parallel: ParallelConfig, world_size: int, launcher_says: int = 0) -> int:
+    """Ranks sharing one node: ``parallel.ranks_per_node``, else what the launcher says
+    (``LOCAL_WORLD_SIZE``, or a profile's ``gpus_per_node`` when planning), else all."""
+    return min(parallel.ranks_per_node or launcher_says or world_size, world_size)
+
+
+def check_node_layout(parallel: ParallelConfig, world_size: int, per_node: int) -> int:
+    """Refuse, in one line, nodes that the mesh cannot follow; return the number of nodes
+    each ``ep`` group spans. Ranks are numbered node by node and ``ep`` is the mesh's
+    innermost axis, so an ep group is ``ep`` consecutive ranks: it must lie inside one
+    node or hold whole nodes."""
+    key = (
+        "parallel.ranks_per_node" if parallel.ranks_per_node else "the launcher's LOCAL_WORLD_SIZE"
+    )
+    if world_size % per_node:
+        raise LaunchError(
+            f"{key} = {per_node}: expected a divisor of the {world_size} ranks (ranks are "
+            "numbered node by node)"
+        )
+    ep = parallel.ep
+    if (ep > per_node and ep % per_node) or (ep < per_node and per_node % ep):
+        raise LaunchError(
+            f"parallel.ep = {ep}: expected a divisor or a multiple of the {per_node} ranks per "
+            f"node ({key}), so that each ep group lies inside one node or holds whole nodes"
+        )
+    nodes = max(1, ep // per_node)
+    limit = parallel.ep_max_nodes_per_token
+    if limit > nodes:
+        raise LaunchError(
+            f"parallel.ep_max_nodes_per_token = {limit}: expected at most the {nodes} node(s) "
+            f"an ep group of {ep} ranks spans at {per_node} ranks per node"
+        )
+    return nodes
+
+
+def check_node_numbering(place: ProcessPlace, per_node: int) -> None:
+    """A launcher that numbers ranks otherwise than node by node breaks the mesh's
+    assumption that an ep group's consecutive ranks share a node."""
+    if place.node_rank is None or place.local_world_size != per_node:
+        return
+    if place.rank // per_node != place.node_rank or place.rank % per_node != place.local_rank:
+        raise LaunchError(
+            f"rank {place.rank} is local rank {place.local_rank} of node {place.node_rank}: "
+            f"expected ranks numbered node by node ({per_node} a node), as the mesh's ep groups "
+            "assume"
+        )
+
+
+def routed_model(config, world_size: int, per_node: int):
+    """``[model]`` with ``parallel.ep_max_nodes_per_token`` applied: the router's groups are
+    the nodes of an ep group, and a token may reach that many of them."""
+    limit = config.parallel.ep_max_nodes_per_token
+    if not limit:
+        return config.model
+    nodes = check_node_layout(config.parallel, world_size, per_node)
+    m = config.model
+    per_group = m.num_experts // nodes
+    if per_group < 2:
+        raise LaunchError(
+            f"parallel.ep_max_nodes_per_token = {limit}: each of the {nodes} nodes would hold "
+            f"{per_group} expert(s) of model.num_experts ({m.num_experts}); expected at least 2 "
+            "(the router scores a group by its top two)"
+        )
+    if m.top_k > limit * per_group:
+        raise LaunchError(
+            f"model.top_k = {m.top_k}: expected at most the {limit * per_group} experts on "
+            f"parallel.ep_max_nodes_per_token ({limit}) node(s)"
+        )
+    return dataclasses.replace(m, num_expert_groups=nodes, num_limited_groups=limit)
 
 
 def pick_device(parallel: ParallelConfig, local_rank: int) -> torch.device:

@@ -41,7 +41,15 @@ from europa.core.train.checkpoint import (
     checkpoint_to_resume,
     latest_checkpoint,
 )
-from europa.core.train.distributed import ProcessPlace, detect_launcher, free_port, mesh_shape
+from europa.core.train.distributed import (
+    ProcessPlace,
+    check_node_layout,
+    check_node_numbering,
+    detect_launcher,
+    free_port,
+    mesh_shape,
+    ranks_per_node,
+)
 from europa.core.train.global_batch import check_global_batch
 from europa.core.train.interrupt import ForwardedInterrupts
 from europa.core.train.nodes import Nodes
@@ -70,15 +78,16 @@ def preflight(
     import torch
 
     mesh_shape(config.parallel, world_size)
-    model = plugins.hook.europa_build_model(
-        job=Job(config=config, run_dir=Path("."), world_size=world_size)
-    )
+    per_node = local_ranks if local_ranks is not None else world_size
+    job = Job(config=config, run_dir=Path("."), world_size=world_size, ranks_per_node=per_node)
+    check_node_layout(config.parallel, world_size, job.node_size)
+    model = plugins.hook.europa_build_model(job=job)
     on_cpu = config.parallel.device == "cpu" or (
         config.parallel.device == "auto" and not torch.cuda.is_available()
     )
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
-        local = world_size if local_ranks is None else local_ranks
-        check_fits(config, plugins, torch.device("cpu"), world_size, local, model=model)
+        check_fits(config, plugins, torch.device("cpu"), world_size, per_node, model=model,
+                   ranks_per_node=job.node_size)  # fmt: skip
     if resume_from is not None:
         _, path = checkpoint_to_resume(resume_from, config.training.steps, from_older=from_older)
         newest = latest_checkpoint(resume_from)
@@ -211,6 +220,9 @@ def _run_as_rank(config, plugins, place, run_dir, resume, from_older) -> Path:
     from europa.core.train.loop import run_training
 
     mesh_shape(config.parallel, place.world_size)
+    per_node = ranks_per_node(config.parallel, place.world_size, place.local_world_size)
+    check_node_layout(config.parallel, place.world_size, per_node)
+    check_node_numbering(place, per_node)
     if run_dir is None:
         run_dir = default_run_dir(config)
     resume = resumes(run_dir, resume)

@@ -28,6 +28,8 @@ from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.distributed import (
     ProcessPlace,
+    check_node_layout,
+    check_node_numbering,
     data_parallel_coordinates,
     init_distributed,
     shutdown,
@@ -86,7 +88,8 @@ class Trainer:
         model = hook.europa_build_model(job=job)
         self.counts = count_parameters(model)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model)
+        check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model,
+                   ranks_per_node=job.node_size)  # fmt: skip
         init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = hook.europa_shard_model(job=job, model=model)
         hook.europa_wrap_model(job=job, model=model)
@@ -328,9 +331,12 @@ def run_training(
             rank=place.rank,
             world_size=place.world_size,
             local_rank=place.local_rank,
+            ranks_per_node=place.local_world_size,
             device=device,
             mesh=mesh,
         )
+        check_node_layout(config.parallel, job.world_size, job.node_size)
+        check_node_numbering(place, job.node_size)
         with warnings.catch_warnings():
             # torchtitan's router asks for fp32 autocast around its gate; CPU autocast
             # knows only bf16/fp16 and warns on every forward. The gate runs in fp32.

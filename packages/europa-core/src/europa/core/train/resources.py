@@ -36,13 +36,16 @@ def check_fits(
     world_size: int,
     local_ranks: int = 1,
     model=None,
+    ranks_per_node: int = 0,
 ) -> None:
     """``local_ranks`` processes share this device's memory (CPU workers on one
-    node) and, on any machine, its host memory."""
+    node) and, on any machine, its host memory. ``ranks_per_node``: the nodes the
+    ranks form (their expert exchanges), as the job resolved them."""
     from europa.core.plan import make_plan, this_machine
 
     share = max(1, local_ranks)
     device_bytes = available_bytes(device) // (share if device.type == "cpu" else 1)
     host_bytes = _meminfo_available() // share
     hardware = this_machine(device.type, device_bytes, host_bytes)
-    make_plan(config, plugins, hardware, world_size, model=model).check()
+    per_node = ranks_per_node or config.parallel.ranks_per_node or local_ranks
+    make_plan(config, plugins, hardware, world_size, model=model, ranks_per_node=per_node).check()

@@ -18,7 +18,9 @@ def runs_on_cpu(job) -> bool:
 @hookimpl(trylast=True)
 def europa_build_model(job):
     from europa.core.model import build_moe_model
+    from europa.core.train.distributed import routed_model
 
     fp32 = job.config.training.dtype == "float32"
     attention = "block_causal" if runs_on_cpu(job) else "sdpa"
-    return build_moe_model(job.config.model, native_dtype_experts=fp32, attention=attention)
+    model = routed_model(job.config, job.world_size, job.node_size)
+    return build_moe_model(model, native_dtype_experts=fp32, attention=attention)
