@@ -1,7 +1,11 @@
 """Saved activations in host memory, copied asynchronously, prefetched back.
 
-Design note. Each wrapped block runs its forward inside
-``torch.autograd.graph.saved_tensors_hooks``. When autograd saves a tensor there:
+Design note. Each offloaded block's whole call runs inside
+``torch.autograd.graph.saved_tensors_hooks``: a forward pre-hook (run first) enters
+them and a forward hook (run last, even on an error) leaves them, so whatever else
+wraps the block (activation checkpointing of its forward, hooks that save tensors
+for it, such as europa-flexshard's kept expert exchanges) saves under them, in any
+order of wrapping. When autograd saves a tensor there:
 
 * *pack*: a tensor the policy offloads (large enough, not a weight, not in the
   last ``keep_last_blocks`` blocks) is copied into a pooled host buffer, and
@@ -123,7 +127,8 @@ class ActivationOffload:
     # -- wrapping ----------------------------------------------------------------------------
 
     def wrap(self, blocks: Iterable[tuple[str, nn.Module]]) -> list[str]:
-        """Wrap the forward of each named block matching the policy; returns their names."""
+        """Offload the saved tensors of each named block matching the policy; returns their
+        names."""
         chosen = [
             (name, block)
             for name, block in blocks
@@ -132,19 +137,25 @@ class ActivationOffload:
         keep = self.policy.keep_last_blocks
         offloaded = chosen[: max(0, len(chosen) - keep)]
         for index, (_, block) in enumerate(offloaded):
-            block.forward = self._wrapped(block.forward, len(self._blocks) + index)
+            self._hook(block, len(self._blocks) + index)
         self._blocks += [name for name, _ in offloaded]
         return [name for name, _ in offloaded]
 
-    def _wrapped(self, forward, index: int):
-        def offloaded_forward(*args: Any, **kwargs: Any):
+    def _hook(self, block: nn.Module, index: int) -> None:
+        entered: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+        def enter(module: nn.Module, args: Any) -> None:
             hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(index, t), self._unpack
             )
-            with hooks:
-                return forward(*args, **kwargs)
+            hooks.__enter__()
+            entered.append(hooks)
 
-        return offloaded_forward
+        def leave(module: nn.Module, args: Any, output: Any) -> None:
+            entered.pop().__exit__(None, None, None)
+
+        block.register_forward_pre_hook(enter, prepend=True)
+        block.register_forward_hook(leave, always_call=True)
 
     # -- pack --------------------------------------------------------------------------------
 
