@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from europa.cli.app import run
+from europa.core.config import load_config
 from europa.flexshard import ParameterSpec, plan_ownership
+from europa.flexshard.traffic import routed_bytes
+from europa.flexshard.wire import RowBytes, Wire
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, train_runs
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from _links import LinkCounter
 
 DIM = 4
 
@@ -55,50 +64,91 @@ def _ranges(case: dict, world: int):
     return plan_ownership([stack], world).ranges["experts"]
 
 
-def _routed_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    from europa.flexshard.experts import AllToAllDispatcher
+# Each case runs under every dispatcher: flat, and two-level at each node size that
+# splits the ranks (one node, and emulated nodes of fewer ranks).
+def _node_sizes(world: int) -> list[int]:
+    return sorted({n for n in (world, 2, 1) if world % n == 0}, reverse=True)
 
+
+def _per_node(kind: str, world: int) -> int:
+    """The node size bytes are counted at: the two-level exchange's own; 2 for flat."""
+    return int(kind.split("/")[1]) if "/" in kind else min(2, world)
+
+
+def _dispatchers(rank: int, world: int):
+    from europa.flexshard.flat import FlatDispatcher
+    from europa.flexshard.nodes import expert_node_groups
+    from europa.flexshard.two_level import TwoLevelDispatcher
+
+    def make(kind, ranges, top_k):
+        if kind == "flat":
+            return FlatDispatcher(None, rank, ranges, top_k)
+        return TwoLevelDispatcher(None, rank, ranges, top_k, nodes=nodes[kind])
+
+    nodes = {f"two_level/{n}": expert_node_groups([list(range(world))], n)
+             for n in _node_sizes(world)}  # fmt: skip
+    return ["flat", *nodes], make
+
+
+def _routed_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    kinds, make = _dispatchers(rank, world)
     results = []
     for case in cases:
         ranges = _ranges(case, world)
         start, stop = ranges[rank]
-        dispatcher = AllToAllDispatcher(None, rank, ranges, case["top_k"])
-        x, scores, ids, probe = _inputs(case, rank)
-        x.requires_grad_(True)
-        local = _weights(case)[start:stop].requires_grad_(True)
-        counts = torch.bincount(ids.reshape(-1), minlength=case["experts"])
+        by_kind = {}
+        for kind in kinds:
+            dispatcher = make(kind, ranges, case["top_k"])
+            x, scores, ids, probe = _inputs(case, rank)
+            x.requires_grad_(True)
+            scores.requires_grad_(True)
+            local = _weights(case)[start:stop].requires_grad_(True)
+            counts = torch.bincount(ids.reshape(-1), minlength=case["experts"])
 
-        routed, per_local_expert, exchange = dispatcher.dispatch(x, scores, ids, counts)
-        identity = dispatcher.combine(routed, exchange, x)  # experts that change nothing
-        out = dispatcher.combine(_apply_experts(routed, per_local_expert, local), exchange, x)
-        (out * probe).sum().backward()
-        results.append(
-            {
+            with LinkCounter(_per_node(kind, world)) as counter:
+                routed, per_local_expert, exchange = dispatcher.dispatch(x, scores, ids, counts)
+                out = dispatcher.combine(_apply_experts(routed, per_local_expert, local),
+                                         exchange, x)  # fmt: skip
+                (out * probe).sum().backward()
+            again, _, exchange = dispatcher.dispatch(x.detach(), scores.detach(), ids,
+                                                              counts)  # fmt: skip
+            identity = dispatcher.combine(again, exchange, x)  # experts that change nothing
+            by_kind[kind] = {
                 "identity": identity.detach(),
                 "out": out.detach(),
                 "x_grad": x.grad,
+                "score_grad": scores.grad,
                 "expert_grads": local.grad,
                 "received": int(per_local_expert.sum()),
+                "sent_bytes": counter.bytes,
             }
-        )
+        results.append(by_kind)
     return results
 
 
 def _reference(case: dict, world: int):
     weights = _weights(case).requires_grad_(True)
-    outs, xs = [], []
+    outs = []
     loss = 0.0
     for rank in range(world):
         x, scores, ids, probe = _inputs(case, rank)
         x.requires_grad_(True)
+        scores.requires_grad_(True)
         out = torch.zeros_like(x)
         for k in range(case["top_k"]):
             out = out + scores[:, k : k + 1] * torch.bmm(x[:, None], weights[ids[:, k]])[:, 0]
         loss = loss + (out * probe).sum()
         outs.append((out, x, scores))
-        xs.append(x)
     loss.backward()
     return outs, weights.grad
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference over the largest value: the 1e-6 the two exchanges must meet."""
+    if not b.numel():
+        return 0.0
+    scale, gap = b.abs().max().item(), (a - b).abs().max().item()
+    return gap / scale if scale else gap
 
 
 EDGES = [  # no tokens on rank 0; every pair to the last expert; experts 1.. never used
@@ -111,18 +161,34 @@ def _check(world: int, cases: list[dict]) -> None:
     for index, case in enumerate(cases):
         outs, weight_grads = _reference(case, world)
         total_pairs = sum(len(ids) * case["top_k"] for ids in case["ids"])
-        assert sum(r[index]["received"] for r in results) == total_pairs
+        for kind in results[0][index]:
+            assert sum(r[index][kind]["received"] for r in results) == total_pairs, kind
         for rank, ((out, x, scores), result) in enumerate(
             zip(outs, (r[index] for r in results), strict=True)
         ):
-            expected_identity = x.detach() * scores.sum(dim=1, keepdim=True)
-            torch.testing.assert_close(result["identity"], expected_identity)
-            torch.testing.assert_close(result["out"], out.detach(), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(result["x_grad"], x.grad, rtol=1e-5, atol=1e-5)
             start, stop = _ranges(case, world)[rank]
-            torch.testing.assert_close(
-                result["expert_grads"], weight_grads[start:stop], rtol=1e-5, atol=1e-5
-            )
+            expected = {
+                "identity": x.detach() * scores.detach().sum(dim=1, keepdim=True),
+                "out": out.detach(),
+                "x_grad": x.grad,
+                "score_grad": scores.grad,
+                "expert_grads": weight_grads[start:stop],
+            }
+            for kind, got in result.items():
+                dispatch = kind.split("/")[0]
+                sent = routed_bytes(
+                    case["ids"],
+                    _ranges(case, world),
+                    _per_node(kind, world),
+                    dispatch,
+                    RowBytes.of(dispatch, Wire(), DIM, case["top_k"]),
+                )
+                assert got["sent_bytes"] == sent[rank], kind  # counted == the routing's, exactly
+                for key, want in expected.items():
+                    torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5,
+                                               msg=f"{kind} {key}")  # fmt: skip
+                    if kind != "flat":  # the two exchanges agree far closer than the reference
+                        assert _relative(got[key], result["flat"][key]) <= 1e-6, (kind, key)
 
 
 @pytest.mark.distributed
@@ -130,6 +196,9 @@ def _check(world: int, cases: list[dict]) -> None:
 @settings(max_examples=1, deadline=None)
 @given(data=st.data())
 def test_dispatch_and_combine_match_the_single_process_layer(world, data):
+    """Random routings, uneven expert splits, experts that receive nothing: flat and
+    two-level (one node, and emulated nodes) equal the single-process layer, and each
+    other within 1e-6, in outputs and every gradient."""
     cases = data.draw(st.lists(routings(world), min_size=12, max_size=12))
     edges = [c for c in EDGES if len(c["ids"]) == world] or [
         {**EDGES[0], "ids": EDGES[0]["ids"][:world]}
@@ -140,7 +209,11 @@ def test_dispatch_and_combine_match_the_single_process_layer(world, data):
 # -- training with parallel.ep: every run in one spawned group of 4 ranks -----------------
 
 QUIET = ["--set", "metrics.progress=false"]
+FP8 = 'parallel.ep_dispatch_dtype="float8_e4m3fn"'
+CHECKPOINTING = 'activation_checkpointing.mode="full"'
+KEPT = "parallel.ep_keep_exchanges=true"
 COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
+TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
 RUNS = [
     Run("ep1", [*COMMON, "parallel.ep=1"], ["flexshard"]),
     Run("ep2", [*COMMON, "parallel.ep=2"], ["flexshard"]),
@@ -148,12 +221,126 @@ RUNS = [
     # The ep=2 run's step-2 checkpoint, resumed as ep=2 and as ep=1.
     Run("ep2-resumed-ep2", [*COMMON, "parallel.ep=2"], ["flexshard"], resume_from="ep2"),
     Run("ep2-resumed-ep1", [*COMMON, "parallel.ep=1"], ["flexshard"], resume_from="ep2"),
+    # Two emulated nodes of 2: "auto" picks the two-level exchange.
+    Run("ep4-two-level", TWO_NODES, ["flexshard"]),
+    Run("ep4-two-level-fp8-kept", [*TWO_NODES, FP8, CHECKPOINTING, KEPT], ["flexshard"]),
 ]
+CHECKPOINTED = [*TWO_NODES, CHECKPOINTING]
+# All-to-alls per MoE layer and forward / backward: the flat exchange sends counts, tokens
+# and outputs, and reverses the last two; the two-level one does each at both levels.
+EXCHANGES = {"flat": (3, 2), "two_level": (6, 4)}
+
+
+def _exchange_calls(trainer) -> tuple[int, int]:
+    """(all-to-alls, bytes the offloaded blocks moved to host) in one training step."""
+    import torch.distributed as dist
+
+    original, calls = dist.all_to_all_single, []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    dist.all_to_all_single = counted
+    try:
+        trainer.step(0)
+    finally:
+        dist.all_to_all_single = original
+    offload = trainer.job.state.get("offload")
+    return len(calls), offload.take_stats().bytes_offloaded if offload else 0
+
+
+def _kept_exchange_rank(rank: int, world: int, root: str) -> dict:
+    """One step of each exchange with and without kept exchanges (and offload), counted."""
+    from europa.core.job import Job
+    from europa.core.session import open_session
+    from europa.core.train.distributed import ProcessPlace, init_distributed
+    from europa.core.train.loop import Trainer
+    from europa.flexshard.exchange import Keeper
+
+    kept_bytes = []
+    stop = Keeper.stop
+
+    def measured_stop(self):
+        buffers = stop(self)
+        kept_bytes.append(sum(b.numel() * b.element_size() for b in buffers))
+        return buffers
+
+    Keeper.stop = measured_stop
+    out = {}
+    offload = ["offload.min_tensor_kib=0", "offload.keep_last_blocks=0"]
+    for dispatch in EXCHANGES:
+        for keep in (False, True):
+            for plugins in (["flexshard"], ["flexshard", "offload"]):
+                settings = [
+                    *CHECKPOINTED,
+                    f'parallel.ep_dispatch="{dispatch}"',
+                    f"parallel.ep_keep_exchanges={str(keep).lower()}",
+                    "metrics.progress=false",
+                    "flexshard.log_plan=false",
+                    *(offload if "offload" in plugins else []),
+                ]
+                config, manager = open_session("tiny", settings, plugins)
+                place = ProcessPlace(rank, world, rank, "torchrun")
+                device, mesh = init_distributed(config.parallel, place)
+                run_dir = Path(root) / f"{dispatch}-{keep}-{len(plugins)}"
+                job = Job(
+                    config=config,
+                    run_dir=run_dir,
+                    rank=rank,
+                    world_size=world,
+                    device=device,
+                    mesh=mesh,
+                )
+                trainer = Trainer(job, manager, resume=False)
+                kept_bytes.clear()
+                calls, offloaded = _exchange_calls(trainer)
+                out[dispatch, keep, len(plugins)] = {
+                    "calls": calls,
+                    "offloaded": offloaded,
+                    "kept": sum(kept_bytes),
+                    "loss": trainer.step(1)["loss"],
+                }
+    Keeper.stop = stop
+    return out
+
+
+def _group_rank(rank: int, world: int, root: str) -> dict:
+    return {
+        "runs": train_runs(rank, world, root, RUNS),
+        "kept": _kept_exchange_rank(rank, world, root),
+    }
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """Every 4-rank check of this module in one spawned group."""
+    root = tmp_path_factory.mktemp("expert-runs")
+    return run_ranks(_group_rank, 4, str(root), timeout=400)
 
 
 @pytest.mark.distributed
-def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(tmp_path):
-    runs = run_ranks(train_runs, 4, str(tmp_path), RUNS, timeout=300)[0]
+def test_a_recomputation_exchanges_nothing_when_exchanges_are_kept(four_ranks):
+    """The recomputed forward of full activation checkpointing re-runs no all-to-all; what
+    it needed was saved with the block, and europa-offload moved it to host memory."""
+    layers = load_config("tiny").model.n_layers - load_config("tiny").model.n_dense_layers
+    for result in (r["kept"] for r in four_ranks):
+        for dispatch, (forward, backward) in EXCHANGES.items():
+            for plugins in (1, 2):
+                again, kept = result[dispatch, False, plugins], result[dispatch, True, plugins]
+                assert again["calls"] == layers * (2 * forward + backward), dispatch
+                assert kept["calls"] == layers * (forward + backward), dispatch
+                assert again["kept"] == 0 < kept["kept"]
+                assert kept["loss"] == pytest.approx(again["loss"], rel=1e-6)
+            # with offload, the kept buffers are saved tensors like the blocks' inputs
+            with_offload = result[dispatch, True, 2]
+            moved = with_offload["offloaded"] - result[dispatch, False, 2]["offloaded"]
+            assert moved == with_offload["kept"], dispatch
+
+
+@pytest.mark.distributed
+def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ranks):
+    runs = four_ranks[0]["runs"]
     losses = {name: [r["loss"] for r in records] for name, records in runs.items()}
     for ep in ("ep2", "ep4"):  # the same global batch: equal within fp32 noise
         assert losses[ep] == pytest.approx(losses["ep1"], rel=1e-5)
@@ -162,6 +349,10 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(tmp_path
                 assert shares == pytest.approx(theirs["expert_load"][layer], abs=1e-6)
     assert losses["ep2-resumed-ep2"] == losses["ep2"]  # exactly
     assert losses["ep2-resumed-ep1"] == pytest.approx(losses["ep2"], rel=1e-5)
+    # the two-level exchange across 2 nodes trains as the flat one
+    assert losses["ep4-two-level"] == pytest.approx(losses["ep4"], rel=1e-6)
+    fp8 = losses["ep4-two-level-fp8-kept"]
+    assert fp8 == pytest.approx(losses["ep4"], rel=1e-2) and fp8 != losses["ep4"]
 
 
 def test_an_expert_split_the_ranks_cannot_hold_is_one_line(tmp_path, capsys):

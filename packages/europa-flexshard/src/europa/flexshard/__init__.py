@@ -11,7 +11,9 @@ Plain API (needs only torch):
 * ``plan_ownership`` / ``OwnershipPlan`` / ``ParameterSpec``: the plan, pure Python;
 * ``flex_shard(model, group=...)`` -> ``FlexShardLayout``: the layout at run time;
 * ``FlexShardOptimizer(layout, lr=...)``: Muon/AdamW with no collective in ``step()``;
-* ``FlexShardState(layout, optimizer)``: checkpoint state for torch.distributed.checkpoint.
+* ``FlexShardState(layout, optimizer)``: checkpoint state for torch.distributed.checkpoint;
+* ``ExpertParallel`` / ``expert_node_groups``: routed experts split over an ep group, tokens
+  sent flat or in two levels (between nodes once, then inside the node).
 
 ``europa.flexshard.plugin`` adapts these to europa's hooks (``europa train -p flexshard``).
 """
@@ -19,6 +21,8 @@ Plain API (needs only torch):
 # The names load on first use (PEP 562), so that importing the plugin module,
 # which every ``europa`` command does, does not import torch.
 _WHERE = {
+    "ExpertNodes": "europa.flexshard.nodes",
+    "ExpertParallel": "europa.flexshard.experts",
     "FlexShardError": "europa.flexshard.errors",
     "FlexShardLayout": "europa.flexshard.layout",
     "FlexShardOptimizer": "europa.flexshard.optimizer",
@@ -27,12 +31,15 @@ _WHERE = {
     "ParameterSpec": "europa.flexshard.plan",
     "PlanError": "europa.flexshard.errors",
     "default_units": "europa.flexshard.layout",
+    "expert_node_groups": "europa.flexshard.nodes",
     "flex_shard": "europa.flexshard.layout",
     "orthogonalise": "europa.flexshard.optimizer",
     "plan_ownership": "europa.flexshard.plan",
 }
 
 __all__ = [
+    "ExpertNodes",
+    "ExpertParallel",
     "FlexShardError",
     "FlexShardLayout",
     "FlexShardOptimizer",
@@ -41,6 +48,7 @@ __all__ = [
     "ParameterSpec",
     "PlanError",
     "default_units",
+    "expert_node_groups",
     "flex_shard",
     "orthogonalise",
     "plan_ownership",

@@ -7,20 +7,16 @@ experts as one stack, so an expert's three matrices stay together; uneven
 counts are fine: 6 experts over 4 ranks is 2, 2, 1, 1). A rank keeps its
 experts' weights for forward and backward; it never gathers another rank's.
 
-Tokens move in two all-to-alls per layer. ``dispatch``: sort this rank's
-(token, expert) pairs by expert; since each rank owns a contiguous run of
-experts, that order is also by destination rank. The per-expert counts go
-first (an all-to-all of integers), so every buffer is sized exactly; then the
-tokens (an autograd all-to-all: its backward is the reverse exchange); the
-received tokens, grouped by source, are regrouped by local expert for the
-grouped GEMM. ``combine`` undoes both steps and sums each token's top-k
-outputs, weighted by their routing scores, as torchtitan's local dispatcher
-does. An expert that receives no token simply computes nothing.
+Tokens travel through a dispatcher (``europa.flexshard.dispatch``): the flat one
+sends a row per (token, expert); the two-level one a row per (token, destination
+node), then fans out inside the node (``ExpertParallel.nodes``). Either can send
+the tokens in bf16 or FP8 (``dispatch_dtype``) and keep what it received for a
+recomputation (``keep_exchanges``, ``europa.flexshard.keep``).
 
 Gradients. Every rank is a data-parallel rank (it reads its own sequences).
 After backward, an expert's gradient on its owner already holds the
 contributions of every token routed to it from its ep group (the backward
-all-to-all brought them); the ranks holding the *same* experts in other
+exchange brought them); the ranks holding the *same* experts in other
 data-parallel positions (``copies``) sum theirs, and the mean over all
 data-parallel ranks is taken, as for every other parameter. This runs as a
 hook on each expert gradient, once per backward, so gradient accumulation
@@ -36,27 +32,63 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
+from europa.flexshard.dispatch import ExpertDispatcher
 from europa.flexshard.errors import PlanError
+from europa.flexshard.exchange import Keeper
+from europa.flexshard.flat import FlatDispatcher
+from europa.flexshard.nodes import ExpertNodes
 from europa.flexshard.plan import ParameterSpec
+from europa.flexshard.two_level import TwoLevelDispatcher
+from europa.flexshard.wire import DISPATCHES, WIRE_DTYPES, Wire
 
 
 @dataclass(frozen=True)
 class ExpertParallel:
-    """Where routed experts live. ``group``: the ranks that split them. ``copies``:
-    the ranks holding the same experts at other data-parallel positions (None:
-    no copies). ``data_parallel_size``: the ranks whose mean gradient is taken
-    (default: the whole world)."""
+    """Where routed experts live and how tokens reach them.
+
+    ``group``: the ranks that split them. ``copies``: the ranks holding the same
+    experts at other data-parallel positions (None: no copies). ``data_parallel_size``:
+    the ranks whose mean gradient is taken (default: the whole world). ``dispatch``:
+    "flat" or "two_level" (which needs ``nodes``, from ``expert_node_groups``).
+    ``dispatch_dtype``: "compute", "bfloat16" or "float8_e4m3fn", the wire dtype of
+    the tokens sent towards the experts. ``keep_exchanges``: keep what each MoE layer
+    received for the recomputation of activation checkpointing."""
 
     group: dist.ProcessGroup | None = None
     copies: dist.ProcessGroup | None = None
     data_parallel_size: int | None = None
+    dispatch: str = "flat"
+    nodes: ExpertNodes | None = None
+    dispatch_dtype: str = "compute"
+    keep_exchanges: bool = False
+
+    def check(self) -> None:
+        if self.dispatch not in DISPATCHES:
+            raise PlanError(
+                f"dispatch = {self.dispatch!r}: expected one of {', '.join(DISPATCHES)}"
+            )
+        if self.dispatch_dtype not in WIRE_DTYPES:
+            expected = ", ".join(WIRE_DTYPES)
+            raise PlanError(f"dispatch_dtype = {self.dispatch_dtype!r}: expected one of {expected}")
+        if self.dispatch == "two_level" and (self.nodes is None or self.nodes.rail_group is None):
+            raise PlanError(
+                'dispatch = "two_level": expected nodes with node and rail groups '
+                "(europa.flexshard.nodes.expert_node_groups)"
+            )
+
+    def dispatcher(
+        self, rank: int, ranges: Sequence[tuple[int, int]], top_k: int, compute_itemsize: int
+    ) -> ExpertDispatcher:
+        wire = Wire(self.dispatch_dtype, compute_itemsize)
+        keeper = Keeper() if self.keep_exchanges else None
+        if self.dispatch == "two_level":
+            return TwoLevelDispatcher(self.group, rank, ranges, top_k, nodes=self.nodes,
+                                      wire=wire, keeper=keeper)  # fmt: skip
+        return FlatDispatcher(self.group, rank, ranges, top_k, wire=wire, keeper=keeper)
 
 
 def routed_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -72,94 +104,19 @@ def routed_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-@dataclass(frozen=True)
-class _Exchange:
-    """What ``combine`` needs from ``dispatch``."""
-
-    token_indices: torch.Tensor  # (N,) source token of each expert-sorted pair
-    scores: torch.Tensor  # (N,) its routing score
-    sent: list[int]  # pairs sent to each rank
-    received: list[int]  # pairs received from each rank
-    regroup: torch.Tensor  # received (by source) -> by local expert
-
-
-class AllToAllDispatcher:
-    """torchtitan's dispatcher interface, over an expert-parallel group.
-
-    ``ranges[r]`` is the (start, stop) of the experts rank r owns (contiguous
-    runs in rank order)."""
-
-    def __init__(
-        self,
-        group: dist.ProcessGroup | None,
-        rank: int,
-        ranges: Sequence[tuple[int, int]],
-        top_k: int,
-    ) -> None:
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank = rank
-        self.ranges = list(ranges)
-        self.top_k = top_k
-        self.experts_per_rank = [stop - start for start, stop in self.ranges]
-
-    def dispatch(
-        self,
-        x_TD: torch.Tensor,
-        topk_scores_TK: torch.Tensor,
-        topk_expert_ids_TK: torch.Tensor,
-        num_local_tokens_per_expert_E: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, _Exchange]:
-        order = torch.argsort(topk_expert_ids_TK.reshape(-1), stable=True)
-        scores = topk_scores_TK.reshape(-1)[order]
-        token_indices = order // self.top_k
-        pairs = x_TD[token_indices]
-
-        counts = num_local_tokens_per_expert_E.to(torch.int64)
-        mine = self.experts_per_rank[self.rank]
-        received_counts = all_to_all_single(
-            counts, [mine] * len(self.ranges), self.experts_per_rank, self.group
-        )
-        received_counts = received_counts.view(len(self.ranges), mine)
-        # Split sizes are host integers: read each count tensor once (one sync on a GPU).
-        per_expert = counts.tolist()
-        by_source = received_counts.tolist()
-        sent = [sum(per_expert[start:stop]) for start, stop in self.ranges]
-        received = [sum(row) for row in by_source]
-        arrived = all_to_all_single_autograd(pairs, received, sent, self.group)
-        regroup = _by_local_expert(by_source, x_TD.device)
-        exchange = _Exchange(token_indices, scores, sent, received, regroup)
-        return arrived[regroup], received_counts.sum(dim=0), exchange
-
-    def combine(
-        self, routed_output_RD: torch.Tensor, metadata: _Exchange, x_TD: torch.Tensor
-    ) -> torch.Tensor:
-        by_source = routed_output_RD[torch.argsort(metadata.regroup)]
-        back = all_to_all_single_autograd(by_source, metadata.sent, metadata.received, self.group)
-        weighted = (back.float() * metadata.scores.reshape(-1, 1)).to(back.dtype)
-        return torch.zeros_like(x_TD).index_add(0, metadata.token_indices, weighted)
-
-    def wire_meshes(self, **_: Any) -> None:  # torchtitan's interface; the group is ours
-        return None
-
-
-def _by_local_expert(counts: list[list[int]], device: torch.device) -> torch.Tensor:
-    """Indices that reorder pairs received source by source (``counts[source][expert]``,
-    each source's pairs sorted by expert) into local-expert order, sources in order
-    within an expert."""
-    starts, offset = [], 0
-    for row in counts:
-        starts.append([])
-        for count in row:
-            starts[-1].append(offset)
-            offset += count
-    experts = len(counts[0]) if counts else 0
-    pieces = [
-        torch.arange(starts[source][expert], starts[source][expert] + counts[source][expert])
-        for expert in range(experts)
-        for source in range(len(counts))
-    ]
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-    return order.to(device)
+def check_groups_follow_nodes(
+    name: str, groups: int, ranges: Sequence[tuple[int, int]], local: int
+) -> None:
+    """A router's ``groups`` expert groups (node-limited routing) must each lie on one node."""
+    experts = ranges[-1][1]
+    nodes = [(ranges[i][0], ranges[i + local - 1][1]) for i in range(0, len(ranges), local)]
+    for g in range(groups):
+        lo, hi = g * experts // groups, (g + 1) * experts // groups
+        if not any(a <= lo and hi <= b for a, b in nodes):
+            raise PlanError(
+                f"{name}: routing group {g} (experts {lo}..{hi - 1}) straddles nodes "
+                f"{[(a, b - 1) for a, b in nodes]}; expected each group on one node"
+            )
 
 
 def expert_stack(module_name: str, shapes: Sequence[Sequence[int]], itemsize: int) -> ParameterSpec:
@@ -181,24 +138,3 @@ def check_expert_split(name: str, num_experts: int, ranks: int) -> None:
             f"expert-parallel group of {ranks} ranks for {name} with {num_experts} experts: "
             "expected at most one rank per expert"
         )
-
-
-def all_to_all_bytes_per_rank(
-    *,
-    tokens: int,
-    top_k: int,
-    dim: int,
-    itemsize: int,
-    num_experts: int,
-    moe_layers: int,
-    forward_passes: int = 1,
-) -> int:
-    """Mean payload one rank hands to the expert all-to-alls per micro-batch.
-
-    Per MoE layer and forward: the per-expert counts (int64), the dispatch of
-    ``tokens × top_k`` rows of ``dim``, and the combine of as many rows on average;
-    the backward repeats the two row exchanges. ``forward_passes`` is 2 when
-    activation checkpointing recomputes the forward."""
-    rows = tokens * top_k * dim * itemsize
-    per_forward = 8 * num_experts + 2 * rows
-    return moe_layers * (forward_passes * per_forward + 2 * rows)

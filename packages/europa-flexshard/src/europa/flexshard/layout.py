@@ -15,7 +15,7 @@ is laid out as above.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,14 @@ from torch import nn
 
 from europa.flexshard.errors import PlanError
 from europa.flexshard.experts import (
-    AllToAllDispatcher,
     ExpertParallel,
     check_expert_split,
+    check_groups_follow_nodes,
     expert_stack,
     routed_expert_modules,
 )
 from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather
+from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
 
@@ -208,6 +209,7 @@ class _Experts:
     rank: int
     size: int
     plan: OwnershipPlan  # one stack per routed-expert module, over the expert group
+    kept: list[KeptExchanges] = field(default_factory=list)  # blocks keeping their exchanges
 
     @property
     def names(self) -> list[str]:
@@ -279,7 +281,8 @@ def flex_shard(
         )
         for name, param in model.named_parameters()
     }
-    routed = _plan_experts(model, specs, experts) if experts is not None else None
+    compute_itemsize = (param_dtype or next(model.parameters()).dtype).itemsize
+    routed = _plan_experts(model, specs, experts, compute_itemsize) if experts is not None else None
     expert_names = set(routed.names) if routed is not None else set()
     dense = [spec for name, spec in specs.items() if name not in expert_names]
     plan = plan_ownership(dense, groups.size)
@@ -308,7 +311,21 @@ def flex_shard(
                 reduce_dtype=reduce_dtype,
             )
         )
+    if routed is not None and experts.keep_exchanges:
+        routed.kept = _keep_in_blocks(model, unit_modules)
     return FlexShardLayout(model, plan, specs, slots, gather_units, groups, routed)
+
+
+def _keep_in_blocks(model: nn.Module, unit_modules: Sequence[nn.Module]) -> list[KeptExchanges]:
+    """Each block (a unit other than the root) keeps its MoE layers' exchanges."""
+    kept = []
+    for block in unit_modules:
+        if block is model:
+            continue
+        keepers = [m.token_dispatcher.keeper for _, m in routed_expert_modules(block)]
+        if keepers:
+            kept.append(keep_exchanges(block, keepers))
+    return kept
 
 
 def _stacked_experts(module: nn.Module, module_name: str) -> list[str]:
@@ -320,7 +337,10 @@ def _stacked_experts(module: nn.Module, module_name: str) -> list[str]:
 
 
 def _plan_experts(
-    model: nn.Module, specs: dict[str, ParameterSpec], parallel: ExpertParallel
+    model: nn.Module,
+    specs: dict[str, ParameterSpec],
+    parallel: ExpertParallel,
+    compute_itemsize: int,
 ) -> _Experts:
     """Whole experts over the expert-parallel group: one stack per routed-expert
     module (its matrices together), and each module's dispatcher swapped for ours."""
@@ -341,11 +361,22 @@ def _plan_experts(
         stacks.append(stack)
         owners |= {spec.name: module_name for spec in members}
     plan = plan_ownership(stacks, size)
+    parallel.check()
     for module_name, module in modules:
-        module.token_dispatcher = AllToAllDispatcher(
-            parallel.group, rank, plan.ranges[module_name], _top_k(module)
+        ranges = plan.ranges[module_name]
+        groups = _router_groups(model, module_name)
+        if groups and parallel.nodes is not None:
+            check_groups_follow_nodes(module_name, groups, ranges, parallel.nodes.local)
+        module.token_dispatcher = parallel.dispatcher(
+            rank, ranges, _top_k(module), compute_itemsize
         )
     return _Experts(owners, parallel, rank, size, plan)
+
+
+def _router_groups(model: nn.Module, module_name: str) -> int:
+    """The routing groups of the router beside a routed-expert module (0: none)."""
+    parent = model.get_submodule(module_name.rpartition(".")[0])
+    return getattr(getattr(parent, "router", None), "num_expert_groups", None) or 0
 
 
 def _top_k(module: nn.Module) -> int:

@@ -72,6 +72,44 @@ def _check_budget(job, layout) -> None:
         )
 
 
+def ranks_per_node(job) -> int:
+    """Ranks sharing a node, as the job resolved them (``parallel.ranks_per_node``, the
+    launcher's, or a planned machine's); all of them for a job that does not say."""
+    return getattr(job, "node_size", None) or job.world_size
+
+
+def dispatch_of(parallel, per_node: int) -> str:
+    """``parallel.ep_dispatch``, with "auto" resolved: two-level when an ep group spans
+    more than one node."""
+    if parallel.ep_dispatch != "auto":
+        return parallel.ep_dispatch
+    return "two_level" if parallel.ep > per_node else "flat"
+
+
+def _expert_parallel(job, copies):
+    from europa.flexshard.experts import ExpertParallel
+    from europa.flexshard.nodes import ExpertNodes, expert_node_groups, split_into_nodes
+
+    mesh, parallel = job.mesh, job.config.parallel
+    per_node = ranks_per_node(job)
+    ep_groups = mesh.mesh.reshape(-1, parallel.ep).tolist()  # ep innermost: consecutive ranks
+    dispatch = dispatch_of(parallel, per_node)
+    if dispatch == "two_level":
+        nodes = expert_node_groups(ep_groups, per_node)
+    else:
+        for group in ep_groups:
+            split_into_nodes(group, per_node)
+        nodes = ExpertNodes(min(parallel.ep, per_node))
+    return ExpertParallel(
+        group=mesh["ep"].get_group(),
+        copies=copies,
+        dispatch=dispatch,
+        nodes=nodes,
+        dispatch_dtype=parallel.ep_dispatch_dtype,
+        keep_exchanges=parallel.ep_keep_exchanges,
+    )
+
+
 def _groups(job):
     """(shard group, replicate group, expert parallelism) for ``job.mesh``.
 
@@ -79,8 +117,6 @@ def _groups(job):
     ``dp_shard × ep`` (every rank reads its own data), the experts split over
     ``ep``, and their copies sit along ``dp_replicate × dp_shard``."""
     import torch.distributed as dist
-
-    from europa.flexshard.experts import ExpertParallel
 
     mesh, parallel = job.mesh, job.config.parallel
     replicate = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
@@ -92,8 +128,7 @@ def _groups(job):
     if ranks.shape[0] * ranks.shape[1] > 1:
         per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]
         copies, _ = dist.new_subgroups_by_enumeration(per_ep)
-    experts = ExpertParallel(group=mesh["ep"].get_group(), copies=copies)
-    return shard, replicate, experts
+    return shard, replicate, _expert_parallel(job, copies)
 
 
 @hookimpl
@@ -171,12 +206,12 @@ def europa_plan(job, plan):
     ``plan["parameter_shapes"]`` ({name: shape}) and ``plan["world_size"]``.
     With ``parallel.ep > 1`` the 3-D parameters (the routed experts) are split
     over ``ep`` and stay resident, and tokens travel by all-to-all."""
-    from europa.flexshard.experts import all_to_all_bytes_per_rank, expert_stack
+    from europa.flexshard.experts import expert_stack
     from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
 
     cfg = job.config
-    parallel, model, training = cfg.parallel, cfg.model, cfg.training
+    parallel = cfg.parallel
     ep = parallel.ep
     shard_ranks = plan["world_size"] // parallel.dp_replicate  # dp_shard × ep
     itemsize = plan.get("parameter_itemsize", 4)
@@ -198,7 +233,7 @@ def europa_plan(job, plan):
     summary = ownership.summary()
     summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
     summary["optimizer_step_bytes_communicated"] = 0
-    a2a = 0
+    a2a: dict[str, int] = {}
     if routed:
         stacks: dict[str, list[tuple[int, ...]]] = {}  # in model order, as at run time
         for name, shape in shapes.items():
@@ -212,22 +247,57 @@ def europa_plan(job, plan):
         for spec, module in zip(expert_specs, stacks, strict=True):
             tensors = len(stacks[module])  # w1, w2, w3: each its own optimizer state
             layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors, expert=True)
-        recompute = cfg.section("activation_checkpointing").mode == "full"
-        per_micro = all_to_all_bytes_per_rank(
-            tokens=training.batch_size * training.seq_len,
-            top_k=model.top_k,
-            dim=model.dim,
-            itemsize=2 if training.dtype == "bfloat16" else 4,
-            num_experts=model.num_experts,
-            moe_layers=len(stacks),
-            forward_passes=2 if recompute else 1,
-        )
-        a2a = per_micro * training.grad_accum_steps
+        exchange = planned_exchange(job, len(stacks))
+        a2a = exchange["bytes_per_step_by_link"]
         summary["routed_expert_bytes_per_rank_max"] = max(experts.rank_bytes())
-        summary["expert_all_to_all_bytes_per_rank_per_step"] = a2a
+        summary["expert_all_to_all_bytes_per_rank_per_step"] = sum(a2a.values())
+        summary["expert_exchange"] = exchange
     copies = plan["world_size"] // ep  # ranks holding the same experts: dp_replicate × dp_shard
     plan["layout"] = layout.as_plan(units, a2a, ep, copies)
+    if routed:
+        plan["layout"]["expert_kept_bytes_per_moe_block"] = exchange["kept_bytes_per_moe_block"]
     plan[NAME] = summary
+
+
+def planned_exchange(job, moe_layers: int) -> dict:
+    """The expert exchange of one rank per optimizer step, as uniform routing predicts it
+    (``europa.flexshard.wire``): bytes by link, and what is kept for a recomputation."""
+    from europa.flexshard.wire import (
+        ExpertGroup,
+        RowBytes,
+        Wire,
+        expected_bytes_per_token,
+        expected_count_bytes,
+        kept_bytes_per_token,
+    )
+
+    cfg = job.config
+    parallel, model, training = cfg.parallel, cfg.model, cfg.training
+    per_node = ranks_per_node(job)
+    dispatch = dispatch_of(parallel, per_node)
+    group = ExpertGroup(model.num_experts, parallel.ep, min(per_node, parallel.ep), model.top_k,
+                        parallel.ep_max_nodes_per_token)  # fmt: skip
+    wire = Wire(parallel.ep_dispatch_dtype, 2 if training.dtype == "bfloat16" else 4)
+    rows = RowBytes.of(dispatch, wire, model.dim, model.top_k)
+    recompute = cfg.section("activation_checkpointing").mode == "full"
+    passes = 2 if recompute and not parallel.ep_keep_exchanges else 1
+    tokens = training.batch_size * training.seq_len
+    payload = expected_bytes_per_token(group, dispatch, rows, forward_passes=passes)
+    counts = expected_count_bytes(group, dispatch, calls=passes)
+    micro_batches = moe_layers * training.grad_accum_steps
+    by_link = {link: round((payload[link] * tokens + counts[link]) * micro_batches)
+               for link in payload}  # fmt: skip
+    kept = kept_bytes_per_token(group, dispatch, rows) * tokens if passes == 1 and recompute else 0
+    return {
+        "dispatch": dispatch,
+        "dispatch_dtype": wire.dispatch,
+        "combine_dtype": wire.combine,
+        "nodes_per_ep_group": group.nodes,
+        "other_nodes_per_token": group.other_nodes_per_token(),
+        "forward_passes_exchanging": passes,
+        "bytes_per_step_by_link": by_link,
+        "kept_bytes_per_moe_block": round(kept),
+    }
 
 
 class _OwnedElements:
@@ -255,7 +325,9 @@ class _OwnedElements:
         if not use_muon:
             self.adamw_tensors += tensors
 
-    def as_plan(self, units: dict[str, int], all_to_all: int, ep: int, copies: int) -> dict:
+    def as_plan(
+        self, units: dict[str, int], all_to_all: dict[str, int], ep: int, copies: int
+    ) -> dict:
         shared = [
             stored - experts for stored, experts in zip(self.stored, self.experts, strict=True)
         ]
@@ -270,7 +342,8 @@ class _OwnedElements:
             "gather_group_size": self.ranks,
             "optimizer_step_gather_elements": 0,
             "largest_step_gather_elements": 0,
-            "expert_all_to_all_bytes_per_step": all_to_all,
+            "expert_all_to_all_bytes_per_step": sum(all_to_all.values()),
+            "expert_all_to_all_bytes_by_link": all_to_all,
             "expert_group_size": ep,
             # Replicas all-reduce what is not an expert; the copies of an expert
             # (every rank with the same ep index) all-reduce its gradients.

@@ -1,0 +1,119 @@
+"""Expert dispatchers: torchtitan's ``dispatch``/``combine`` interface over a chunked one.
+
+A dispatcher moves a rank's (token, expert) pairs to the ranks owning the experts
+and the experts' outputs back. Two live beside this file, with one protocol:
+
+* ``FlatDispatcher`` (``europa.flexshard.flat``): one row per (token, expert) pair;
+* ``TwoLevelDispatcher`` (``europa.flexshard.two_level``): one row per (token,
+  destination node) between nodes, then one per (token, destination rank) inside.
+
+``begin(x, scores, ids, chunks)`` issues the dispatch of every chunk and returns a
+``Routed``; for each chunk, ``arrive(c)`` waits for its rows and returns them grouped
+by local expert with the count per local expert, and ``send_back(c, out)`` issues the
+return of the experts' outputs; ``finish()`` waits for every return and gives each
+token the weighted sum of its experts' outputs. torchtitan's ``dispatch`` and
+``combine`` are that with one chunk. europa-overlap drives the chunked form (the
+shared expert computes while chunks travel); nothing else re-implements an exchange.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from europa.flexshard.codec import Codec
+from europa.flexshard.exchange import Keeper
+from europa.flexshard.wire import Wire
+
+
+class Routed(Protocol):
+    chunks: int
+
+    def arrive(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def send_back(self, chunk: int, out: torch.Tensor) -> None: ...
+
+    def finish(self) -> torch.Tensor: ...
+
+
+class ExpertDispatcher:
+    """``ranges[r]``: the (start, stop) of the experts ep rank ``r`` owns (contiguous runs
+    in rank order). ``wire``: the dispatch and combine wire dtypes. ``keeper``: where the
+    layer's exchanges are kept for a recomputation (None: they are not)."""
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None,
+        rank: int,
+        ranges: Sequence[tuple[int, int]],
+        top_k: int,
+        *,
+        wire: Wire | None = None,
+        keeper: Keeper | None = None,
+    ) -> None:
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = rank
+        self.ranges = list(ranges)
+        self.top_k = top_k
+        self.wire = wire or Wire()
+        self.keeper = keeper
+        self.experts_per_rank = [stop - start for start, stop in self.ranges]
+        self.num_experts = self.ranges[-1][1] if self.ranges else 0
+
+    @property
+    def local_experts(self) -> int:
+        return self.experts_per_rank[self.rank]
+
+    def codecs(self) -> tuple[Codec, Codec]:
+        """(towards the experts, back from them)."""
+        return Codec(self.wire.dispatch), Codec(self.wire.combine)
+
+    def begin(
+        self, x_TD: torch.Tensor, scores_TK: torch.Tensor, ids_TK: torch.Tensor, chunks: int = 1
+    ) -> Routed:
+        raise NotImplementedError
+
+    # -- torchtitan's token dispatcher interface ----------------------------------------------
+
+    def dispatch(
+        self,
+        x_TD: torch.Tensor,
+        topk_scores_TK: torch.Tensor,
+        topk_expert_ids_TK: torch.Tensor,
+        num_local_tokens_per_expert_E: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, Routed]:
+        routed = self.begin(x_TD, topk_scores_TK, topk_expert_ids_TK)
+        rows, counts = routed.arrive(0)
+        return rows, counts, routed
+
+    def combine(
+        self, routed_output_RD: torch.Tensor, metadata: Routed, x_TD: torch.Tensor
+    ) -> torch.Tensor:
+        metadata.send_back(0, routed_output_RD)
+        return metadata.finish()
+
+    def wire_meshes(self, **_: Any) -> None:  # torchtitan's interface; the groups are ours
+        return None
+
+
+def by_local_expert(counts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """Indices that reorder rows received source by source (``counts[source][expert]``,
+    each source's rows sorted by expert) into local-expert order, sources in order
+    within an expert."""
+    starts, offset = [], 0
+    for row in counts:
+        starts.append([])
+        for count in row:
+            starts[-1].append(offset)
+            offset += count
+    experts = len(counts[0]) if counts else 0
+    pieces = [
+        torch.arange(starts[source][expert], starts[source][expert] + counts[source][expert])
+        for expert in range(experts)
+        for source in range(len(counts))
+    ]
+    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+    return order.to(device)

@@ -1,0 +1,195 @@
+"""The two-level expert exchange: a token crosses between nodes once per destination node,
+then fans out inside the node; outputs are summed per node before they travel back.
+
+Design note. The ep group is ``nodes × local`` ranks (``europa.flexshard.nodes``);
+rank (n, l) sits at position l of node n. For a token of rank (n, l):
+
+1. *Between nodes* (rail group: the ranks at position l of every node): one row
+   to each node holding at least one of its experts, carrying the token and its
+   ``top_k`` routing slots (each slot's expert as an id local to that node, -1 when
+   the expert lives elsewhere, and its score). The row for its own node is a local
+   copy. The counts of rows per node go first, so buffers are sized exactly.
+2. *Inside the node* (node group): the receiving rank (m, l) forwards each row once
+   to each rank of node m owning at least one of the row's experts, with the slots
+   renumbered to that rank's experts.
+3. The expert rank expands each row into its (row, slot) pairs, sorted by local
+   expert for the grouped GEMM.
+
+Combine reverses it, summing as early as possible: the expert rank weights each
+pair's output by its score and sums a row's pairs; the forwarder sums, per
+stage-1 row, what its node's ranks sent back; the token's rank sums over nodes.
+Sums run in fp32. Autograd needs nothing more: every step is a differentiable op
+or an ``exchange`` (``europa.flexshard.exchange``), whose backward is the same
+exchange reversed, so the backward crosses the two levels in reverse order. The
+scores travel with the rows (their gradients come back the same way).
+
+Chunks split the rank's *tokens* (not its experts, as the flat exchange does): each
+token still crosses to a node once. Results equal the unchunked ones to rounding
+(an expert's weight gradient then sums its rows chunk by chunk).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from europa.flexshard.codec import Codec
+from europa.flexshard.dispatch import ExpertDispatcher
+from europa.flexshard.exchange import Flight, Part, exchange, exchange_counts, launch, wait
+from europa.flexshard.nodes import ExpertNodes
+
+NO_EXPERT = -1
+SCORES, IDS = Codec(), None  # scores travel as they are; routing ids have no gradient
+
+
+def _hits(owner_of_slot: torch.Tensor, destinations: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(destination, row) of every row that has at least one slot owned by the
+    destination (``owner_of_slot[row, k]``; ``destinations`` marks none), destination-major."""
+    rows = owner_of_slot.shape[0]
+    hit = torch.zeros(rows, destinations + 1, dtype=torch.bool, device=owner_of_slot.device)
+    hit.scatter_(1, owner_of_slot, True)
+    return hit[:, :destinations].t().nonzero(as_tuple=True)
+
+
+def _splits(destination: torch.Tensor, destinations: int) -> list[int]:
+    return torch.bincount(destination, minlength=destinations).tolist()
+
+
+class TwoLevelDispatcher(ExpertDispatcher):
+    """One row per (token, destination node), then per (token, destination rank)."""
+
+    def __init__(self, group, rank, ranges, top_k, *, nodes: ExpertNodes, **options) -> None:
+        super().__init__(group, rank, ranges, top_k, **options)
+        local = nodes.local
+        if len(self.ranges) % local:
+            raise ValueError(f"{len(self.ranges)} ep ranks do not split into nodes of {local}")
+        self.nodes = nodes
+        self.node_count = len(self.ranges) // local
+        self.node, self.position = divmod(rank, local)
+        owner = torch.cat([torch.full((b - a,), r) for r, (a, b) in enumerate(self.ranges)])
+        self.node_of_expert = owner // local  # [E]
+        self.node_first = torch.tensor([self.ranges[m * local][0] for m in range(self.node_count)])
+        first = self.ranges[self.node * local][0]
+        mine = self.ranges[self.node * local : (self.node + 1) * local]
+        # This node's experts (ids local to the node) -> the node's rank owning each.
+        self.local_owner = torch.cat(
+            [torch.full((b - a,), j) for j, (a, b) in enumerate(mine)] + [torch.tensor([local])]
+        )
+        self.local_first = torch.tensor([a - first for a, _ in mine])
+
+    def begin(self, x_TD, scores_TK, ids_TK, chunks: int = 1) -> TwoLevelRouted:
+        device, nodes = x_TD.device, self.node_count
+        tokens = x_TD.shape[0]
+        node_of_expert, node_first = self.node_of_expert.to(device), self.node_first.to(device)
+        plans = []
+        for c in range(chunks):
+            lo, hi = tokens * c // chunks, tokens * (c + 1) // chunks
+            node_of_slot = node_of_expert[ids_TK[lo:hi]]
+            destination, row = _hits(node_of_slot, nodes)
+            token = row + lo
+            local_id = ids_TK[token] - node_first[destination][:, None]
+            slots = torch.where(node_of_slot[row] == destination[:, None], local_id, NO_EXPERT)
+            plans.append((token, slots.to(torch.int32), destination))
+        # One exchange of every chunk's counts: [destination node, chunk].
+        sent = torch.stack([torch.bincount(d, minlength=nodes) for _, _, d in plans], dim=1)
+        received = exchange_counts(sent.reshape(-1), [chunks] * nodes, [chunks] * nodes,
+                                   self.nodes.rail_group, self.keeper)  # fmt: skip
+        sent, received = sent.tolist(), received.view(nodes, chunks).tolist()
+        there, back = self.codecs()
+        routed = TwoLevelRouted(self, x_TD)
+        for c, (token, slots, _) in enumerate(plans):
+            send_splits = [row[c] for row in sent]
+            recv_splits = [row[c] for row in received]
+            parts = [Part(x_TD[token], there, back), Part(scores_TK[token].float(), SCORES, SCORES),
+                     Part(slots, SCORES, IDS)]  # fmt: skip
+            flight = launch(parts, send_splits, recv_splits, self.nodes.rail_group, self.keeper)
+            routed.chunk_states.append(_Chunk(token, send_splits, recv_splits, flight))
+        return routed
+
+
+@dataclass
+class _Chunk:
+    """One chunk's bookkeeping, filled as it moves."""
+
+    tokens: torch.Tensor  # stage-1 rows sent -> token index
+    send_splits: list[int]  # stage 1, per node
+    recv_splits: list[int]
+    flight: Flight
+    forwarded: torch.Tensor | None = None  # stage-2 rows sent -> stage-1 row received
+    received_rows: int = 0  # stage-1 rows received
+    send2: list[int] = field(default_factory=list)  # stage 2, per local rank
+    recv2: list[int] = field(default_factory=list)
+    expert_rows: int = 0  # stage-2 rows received
+    pair_row: torch.Tensor | None = None  # expert-sorted pair -> stage-2 row
+    pair_score: torch.Tensor | None = None
+    back: Flight | None = None
+
+
+@dataclass
+class TwoLevelRouted:
+    dispatcher: TwoLevelDispatcher
+    x_TD: torch.Tensor
+    chunk_states: list[_Chunk] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.chunk_states)
+
+    def arrive(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d, state = self.dispatcher, self.chunk_states[chunk]
+        device, local, top_k = self.x_TD.device, d.nodes.local, d.top_k
+        rows, scores, slots = wait(state.flight)
+        state.received_rows = rows.shape[0]
+        # Stage 2: each row to the node's ranks owning its experts.
+        owner_of_slot = d.local_owner.to(device)[slots.long()]  # NO_EXPERT -> local (none)
+        destination, forwarded = _hits(owner_of_slot, local)
+        renumbered = slots[forwarded].long() - d.local_first.to(device)[destination][:, None]
+        mine = owner_of_slot[forwarded] == destination[:, None]
+        slots2 = torch.where(mine, renumbered, NO_EXPERT).to(torch.int32)
+        state.forwarded, state.send2 = forwarded, _splits(destination, local)
+        received = exchange_counts(torch.tensor(state.send2, device=device), [1] * local,
+                                   [1] * local, d.nodes.node_group, d.keeper)  # fmt: skip
+        state.recv2 = received.tolist()
+        there, back = d.codecs()
+        parts = [Part(rows[forwarded], there, back), Part(scores[forwarded], SCORES, SCORES),
+                 Part(slots2, SCORES, IDS)]  # fmt: skip
+        rows2, scores2, slots2 = exchange(parts, state.send2, state.recv2, d.nodes.node_group,
+                                          d.keeper)  # fmt: skip
+        state.expert_rows = rows2.shape[0]
+        # The expert side: (row, slot) pairs, sorted by local expert, rows in order within one.
+        flat = slots2.reshape(-1).long()
+        taken = (flat != NO_EXPERT).nonzero().squeeze(1)
+        order = torch.argsort(flat[taken], stable=True)
+        taken = taken[order]
+        state.pair_row = taken // top_k
+        state.pair_score = scores2.reshape(-1)[taken]
+        counts = torch.bincount(flat[taken], minlength=d.local_experts).to(torch.int64)
+        return rows2[state.pair_row], counts
+
+    def _wire(self, summed: torch.Tensor) -> torch.Tensor:
+        """fp32 sums as they travel: in the compute dtype unless the wire casts them."""
+        if self.dispatcher.wire.combine == "compute":
+            return summed.to(self.x_TD.dtype)
+        return summed
+
+    def send_back(self, chunk: int, out: torch.Tensor) -> None:
+        d, state = self.dispatcher, self.chunk_states[chunk]
+        there, back = d.codecs()
+        width = out.shape[1]
+        weighted = out.float() * state.pair_score.float()[:, None]
+        per_row = out.new_zeros(state.expert_rows, width, dtype=torch.float32)
+        per_row = per_row.index_add(0, state.pair_row, weighted)
+        (returned,) = exchange([Part(self._wire(per_row), back, there)], state.recv2,
+                               state.send2, d.nodes.node_group, d.keeper)  # fmt: skip
+        per_node = out.new_zeros(state.received_rows, width, dtype=torch.float32)
+        per_node = per_node.index_add(0, state.forwarded, returned.float())
+        state.back = launch([Part(self._wire(per_node), back, there)], state.recv_splits,
+                            state.send_splits, d.nodes.rail_group, d.keeper)  # fmt: skip
+
+    def finish(self) -> torch.Tensor:
+        out = self.x_TD.new_zeros(self.x_TD.shape, dtype=torch.float32)
+        for state in self.chunk_states:
+            (returned,) = wait(state.back)
+            out = out.index_add(0, state.tokens, returned.float())
+        return out.to(self.x_TD.dtype)
