@@ -77,7 +77,9 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         from europa.core.job import Job
 
         model = plugins.hook.europa_build_model(
-            job=Job(config=resolved, run_dir=".", world_size=world)
+            job=Job(
+                config=resolved, run_dir=".", world_size=world, ranks_per_node=profile.gpus_per_node
+            )
         )
 
         def plan_for(cfg, ranks):

@@ -22,6 +22,10 @@ Its keys (all per rank of the group that splits the parameters):
                       row-sharded matrices), and the largest such matrix
 ``expert_all_to_all_bytes_per_step``, ``expert_group_size``
                       expert-parallel traffic a rank sends per step, and the group
+``expert_all_to_all_bytes_by_link`` (optional) {link: bytes}: the same traffic split by
+                      the link it crosses (default: all of it on the group's link)
+``expert_kept_bytes_per_moe_block`` (optional) exchange results each MoE block keeps
+                      for its recomputation (saved, and offloadable, like its input)
 ``replicated_elements`` (optional; default: the largest ``stored_elements``)
                       elements all-reduced over ``dp_replicate``
 ``expert_copies``     (optional) {elements, group_size, stride}: resident expert

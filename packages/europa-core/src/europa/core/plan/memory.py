@@ -91,16 +91,23 @@ class Activations:
 
 
 def activations(
-    blocks: list[BlockActivations], tokens: int, recompute: bool, offload: HostOffload
+    blocks: list[BlockActivations],
+    tokens: int,
+    recompute: bool,
+    offload: HostOffload,
+    kept: dict[str, int] | None = None,
 ) -> Activations:
     """Saved bytes of one micro-batch at the end of forward (plus, with full
-    recomputation, one block's full set, live while it is recomputed)."""
+    recomputation, one block's full set, live while it is recomputed). ``kept``: bytes a
+    recomputed block keeps beside its input (its expert exchanges' results)."""
     offloaded = offload.offloaded_blocks(blocks)
     device = host = 0
     per_block = {}
     for block in blocks:
         if recompute and block.name != "<root>":
             pieces = [block.input_bytes_per_token * tokens]
+            if kept and kept.get(block.name):
+                pieces.append(kept[block.name])
         else:
             pieces = [t.bytes_per_token * tokens for t in block.tensors] + [block.fixed_bytes]
         per_block[block.name] = sum(pieces)

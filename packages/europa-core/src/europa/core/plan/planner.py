@@ -36,7 +36,7 @@ from europa.core.plan.timing import (
 )
 from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
 from europa.core.plugins.builtin.fsdp import data_parallel_form
-from europa.core.train.distributed import mesh_shape
+from europa.core.train.distributed import check_node_layout, mesh_shape
 from europa.core.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode
@@ -141,14 +141,19 @@ def make_plan(
     hardware: HardwareProfile,
     world_size: int,
     model=None,
+    ranks_per_node: int = 0,
 ) -> Plan:
+    """``ranks_per_node``: the nodes the ranks form (default: ``parallel.ranks_per_node``,
+    else the profile's ``gpus_per_node``)."""
     mesh = mesh_shape(config.parallel, world_size)
-    job = Job(config=config, run_dir=Path("."), world_size=world_size)
+    job = Job(config=config, run_dir=Path("."), world_size=world_size,
+              ranks_per_node=ranks_per_node or hardware.gpus_per_node)  # fmt: skip
+    check_node_layout(config.parallel, world_size, job.node_size)
     if model is None:
         model = plugins.hook.europa_build_model(job=job)
     shapes = ModelShapes.of(model)
     plan = plugin_plan(job, plugins, shapes, hardware=hardware)
-    return _assemble(config, hardware, world_size, mesh, shapes, plan)
+    return _assemble(config, hardware, world_size, mesh, shapes, plan, job.node_size)
 
 
 def plugin_plan(
@@ -180,7 +185,7 @@ def plugin_plan(
     return plan
 
 
-def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
+def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Plan:
     training, model_cfg = config.training, config.model
     layout = plan["layout"]
     compute_bytes = 2 if training.dtype == "bfloat16" else 4
@@ -195,7 +200,9 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         dtype_bytes=compute_bytes,
         kernel=hardware.attention_kernel,
     )
-    by_mode = {mode: activations(blocks, tokens, mode == "full", offload) for mode in MODES}
+    kept_bytes = layout.get("expert_kept_bytes_per_moe_block", 0)
+    kept = {f"layers.{i}": kept_bytes for i in range(model_cfg.n_dense_layers, model_cfg.n_layers)}
+    by_mode = {mode: activations(blocks, tokens, mode == "full", offload, kept) for mode in MODES}
     acts = by_mode["full" if recompute else "none"]
     state = RankState.of(layout)
     rank = state.most_loaded()
@@ -225,7 +232,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan) -> Plan:
         layout=layout,
         world_size=world_size,
         replicas=mesh[0],
-        gpus_per_node=hardware.gpus_per_node,
+        gpus_per_node=per_node,
         compute_bytes=compute_bytes,
         reduce_bytes=reduce_bytes,
         micro_batches=training.grad_accum_steps,

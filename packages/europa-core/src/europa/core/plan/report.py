@@ -61,7 +61,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "kind": t.kind,
                 "link": t.link,
                 "bytes_per_rank": t.bytes_per_step,
-                "seconds": plan.without_overlap.link_s[t.kind],
+                "seconds": plan.without_overlap.link_s[t.kind, t.link],
             }
             for t in plan.traffic
         ],
@@ -105,7 +105,7 @@ def plan_table(plan: Plan) -> str:
         _row("communication per step, per rank", "link", "bytes", "time"),
     ]
     for t in plan.traffic:
-        seconds = plan.without_overlap.link_s[t.kind]
+        seconds = plan.without_overlap.link_s[t.kind, t.link]
         lines.append(_row(t.kind, t.link, human(t.bytes_per_step), f"{seconds:.3g} s"))
     if not plan.traffic:
         lines.append("  (none)")

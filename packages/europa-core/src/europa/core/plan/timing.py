@@ -50,7 +50,7 @@ def model_flops_per_token(shapes: ModelShapes, m: ModelConfig, seq_len: int) -> 
 @dataclass(frozen=True)
 class StepTime:
     compute_s: float
-    link_s: dict[str, float]  # per kind
+    link_s: dict[tuple[str, str], float]  # per (kind, link)
     exposed_s: float
     step_s: float
     mfu: float
@@ -67,14 +67,14 @@ def step_time(
     overlapped_kinds: tuple[str, ...],
 ) -> StepTime:
     compute = hardware_flops / (peak_flops * matmul_efficiency)
-    seconds = {t.kind: t.bytes_per_step / bandwidth[t.link] for t in traffic}
+    seconds = {(t.kind, t.link): t.bytes_per_step / bandwidth[t.link] for t in traffic}
     per_link: dict[str, float] = {}
     exposed = 0.0
     for t in traffic:
         if t.overlappable and t.kind in overlapped_kinds:
-            per_link[t.link] = per_link.get(t.link, 0.0) + seconds[t.kind]
+            per_link[t.link] = per_link.get(t.link, 0.0) + seconds[t.kind, t.link]
         else:
-            exposed += seconds[t.kind]
+            exposed += seconds[t.kind, t.link]
     exposed += max([0.0, *(s - compute for s in per_link.values())])
     step = compute + exposed
     return StepTime(compute, seconds, exposed, step, model_flops / (step * peak_flops))

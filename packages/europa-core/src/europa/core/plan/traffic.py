@@ -61,7 +61,11 @@ def step_traffic(
     copy_share = ring_share(copies["group_size"])
     expert_copies = 2 * copies["elements"] * reduce_bytes * copy_share * micro_batches
     step_gather = layout["optimizer_step_gather_elements"] * 4 * ring_share(group)
-    experts = layout["expert_all_to_all_bytes_per_step"]
+    experts = layout.get("expert_all_to_all_bytes_by_link") or {
+        contiguous_link(layout["expert_group_size"], gpus_per_node): layout[
+            "expert_all_to_all_bytes_per_step"
+        ]
+    }
     out = [
         Traffic("parameter_gather", shard_link, int(gathered), True),
         Traffic("gradient_reduce_scatter", shard_link, int(reduced), True),
@@ -77,12 +81,7 @@ def step_traffic(
             int(expert_copies),
             True,
         ),
-        Traffic(
-            "expert_all_to_all",
-            contiguous_link(layout["expert_group_size"], gpus_per_node),
-            int(experts),
-            True,
-        ),
+        *(Traffic("expert_all_to_all", link, int(n), True) for link, n in experts.items()),
         Traffic("optimizer_step", shard_link, int(step_gather), False),
         Traffic(
             "host_copies",
