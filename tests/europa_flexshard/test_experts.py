@@ -212,6 +212,8 @@ QUIET = ["--set", "metrics.progress=false"]
 FP8 = 'parallel.ep_dispatch_dtype="float8_e4m3fn"'
 CHECKPOINTING = 'activation_checkpointing.mode="full"'
 KEPT = "parallel.ep_keep_exchanges=true"
+DENSE_NODE = 'flexshard.dense_group="node"'
+ACCUMULATE = "training.grad_accum_steps=2"
 COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
 TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
 RUNS = [
@@ -224,6 +226,16 @@ RUNS = [
     # Two emulated nodes of 2: "auto" picks the two-level exchange.
     Run("ep4-two-level", TWO_NODES, ["flexshard"]),
     Run("ep4-two-level-fp8-kept", [*TWO_NODES, FP8, CHECKPOINTING, KEPT], ["flexshard"]),
+    # The non-expert matrices over each node's ranks, copied on the other node, and
+    # checkpoints resumed across the two layouts.
+    Run("ep4-dense-node", [*TWO_NODES, DENSE_NODE], ["flexshard"]),
+    Run(
+        "ep4-all-resumed-node", [*TWO_NODES, DENSE_NODE], ["flexshard"], resume_from="ep4-two-level"
+    ),
+    Run("ep4-node-resumed-all", TWO_NODES, ["flexshard"], resume_from="ep4-dense-node"),
+    # Accumulated micro-batches: the copies sum their gradients once, after the last one.
+    Run("ep4-accumulated", [*TWO_NODES, ACCUMULATE], ["flexshard"]),
+    Run("ep4-accumulated-dense-node", [*TWO_NODES, ACCUMULATE, DENSE_NODE], ["flexshard"]),
 ]
 CHECKPOINTED = [*TWO_NODES, CHECKPOINTING]
 # All-to-alls per MoE layer and forward / backward: the flat exchange sends counts, tokens
@@ -351,6 +363,11 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ran
     assert losses["ep2-resumed-ep1"] == pytest.approx(losses["ep2"], rel=1e-5)
     # the two-level exchange across 2 nodes trains as the flat one
     assert losses["ep4-two-level"] == pytest.approx(losses["ep4"], rel=1e-6)
+    for node, whole in (("ep4-dense-node", "ep4-two-level"),
+                        ("ep4-accumulated-dense-node", "ep4-accumulated")):  # fmt: skip
+        assert losses[node] == pytest.approx(losses[whole], rel=1e-6), node
+    assert losses["ep4-all-resumed-node"] == pytest.approx(losses["ep4-two-level"], rel=1e-6)
+    assert losses["ep4-node-resumed-all"] == pytest.approx(losses["ep4-dense-node"], rel=1e-6)
     fp8 = losses["ep4-two-level-fp8-kept"]
     assert fp8 == pytest.approx(losses["ep4"], rel=1e-2) and fp8 != losses["ep4"]
 

@@ -15,8 +15,11 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   place, so what autograd saved is valid, and the shadows return, so a
   recomputed forward (activation checkpointing) sees whole weights too;
 * backward of the autograd function: the full gradients are reduce-scattered
-  to their owners (averaged over the data-parallel ranks, all-reduced over
-  replicas when the mesh has them), the shadows go and the storage is freed.
+  to their owners (averaged over the data-parallel ranks), the shadows go and
+  the storage is freed. With replicas (the same share held elsewhere: HSDP-style
+  copies, or the other nodes' copies of a node-wide layout) the owners' gradients
+  are all-reduced over them once per optimizer step, after every micro-batch's
+  backward (``reduce_replicas``), not once per backward.
 
 Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
 names units whose all-gather this unit issues asynchronously right after its
@@ -117,6 +120,7 @@ class GatherUnit:
         self.forward_prefetch: list[GatherUnit] = []
         self.backward_prefetch: list[GatherUnit] = []
         self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
+        self._replicas_pending = False  # local gradients not yet summed over the replicas
         self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -201,13 +205,26 @@ class GatherUnit:
         g = self.groups
         if work is not None:
             work.wait()
-        if g.replicas > 1:
-            dist.all_reduce(mine, op=dist.ReduceOp.SUM, group=g.replicate)
+        self._replicas_pending = g.replicas > 1
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
         return [
             piece.to(slot.local.dtype, copy=True)
             for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
         ]
+
+    def reduce_replicas(self) -> None:
+        """Sum the local gradients over the replicas (one all-reduce of the unit's owned
+        gradients), if a backward left them unsummed; every replica calls it together."""
+        if not self._replicas_pending:
+            return
+        self._replicas_pending = False
+        grads = [slot.local.grad for slot in self.slots if slot.local.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.replicate)
+        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+            grad.copy_(piece.view_as(grad))
 
     def _accumulate(self, rows, mine, work) -> None:
         """End of backward: this unit's asynchronous reduce-scatter is waited for and its

@@ -142,10 +142,17 @@ class FlexShardLayout:
             if param.requires_grad and not param.is_meta:
                 param.register_hook(self.experts.reduce_gradient)
 
+    def finish_gradients(self) -> None:
+        """Sum the owned gradients over the replicas, once per optimizer step after the last
+        micro-batch's backward (``clip_grad_norm_`` and the optimizer's step call it)."""
+        for unit in self.units:
+            unit.reduce_replicas()
+
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
         """Clip to a total 2-norm of ``max_norm`` (0: only measure); return the norm
         before clipping. Each matrix is counted once: on its owner."""
+        self.finish_gradients()
         device = next(iter(self.slots.values())).local.device
         dense = torch.zeros((), dtype=torch.float32, device=device)
         routed = torch.zeros((), dtype=torch.float32, device=device)

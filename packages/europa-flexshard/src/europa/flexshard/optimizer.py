@@ -114,6 +114,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.layout.finish_gradients()  # a no-op when clipping already did it
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)

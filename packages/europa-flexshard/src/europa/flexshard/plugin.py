@@ -40,6 +40,15 @@ class FlexShardConfig:
     log_plan: bool = field(
         default=True, metadata={"doc": "print the ownership summary (bytes per rank) at start"}
     )
+    dense_group: str = field(
+        default="all",
+        metadata={
+            "choices": ("all", "node"),
+            "doc": "ranks that split the non-expert matrices: all of dp_shard × ep, or one "
+            "node's (copies on the other nodes, gradients all-reduced across nodes once per "
+            "optimizer step; gathers stay on the node's link)",
+        },
+    )
     max_rank_gib: float = field(
         default=0.0,
         metadata={
@@ -110,20 +119,50 @@ def _expert_parallel(job, copies):
     )
 
 
+def dense_ranks(job) -> tuple[list[list[int]], list[list[int]]]:
+    """(the groups splitting the non-expert matrices, the replica groups holding the same
+    share) as global ranks. Each replica's ``dp_shard × ep`` ranks (consecutive) split them,
+    or with ``flexshard.dense_group = "node"`` each node's ranks of those."""
+    from europa.flexshard.nodes import split_into_nodes
+
+    blocks = [r.flatten().tolist() for r in job.mesh.mesh]  # [dp_replicate][dp_shard × ep]
+    if job.config.section(NAME).dense_group == "node":
+        try:
+            blocks = [
+                node for block in blocks for node in split_into_nodes(block, ranks_per_node(job))
+            ]
+        except FlexShardError:
+            raise FlexShardError(
+                f'flexshard.dense_group = "node": the {len(blocks[0])} ranks of dp_shard × ep '
+                f"do not hold whole nodes of {ranks_per_node(job)}; expected "
+                'flexshard.dense_group = "all" or ranks per node dividing them'
+            ) from None
+    replicas = [[block[i] for block in blocks] for i in range(len(blocks[0]))]
+    return blocks, replicas
+
+
 def _groups(job):
     """(shard group, replicate group, expert parallelism) for ``job.mesh``.
 
     Without ``ep`` the owned layout spans ``dp_shard``. With ``ep > 1`` it spans
     ``dp_shard × ep`` (every rank reads its own data), the experts split over
-    ``ep``, and their copies sit along ``dp_replicate × dp_shard``."""
+    ``ep``, and their copies sit along ``dp_replicate × dp_shard``. With
+    ``flexshard.dense_group = "node"`` the owned layout spans one node's ranks of those,
+    and the other nodes hold copies."""
     import torch.distributed as dist
 
     mesh, parallel = job.mesh, job.config.parallel
-    replicate = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
-    if parallel.ep == 1:
+    if parallel.ep == 1 and job.config.section(NAME).dense_group == "all":
+        replicate = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
         return mesh["dp_shard"].get_group(), replicate, None
+    shards, replica_ranks = dense_ranks(job)
+    shard, _ = dist.new_subgroups_by_enumeration(shards)
+    replicate = None
+    if len(replica_ranks[0]) > 1:
+        replicate, _ = dist.new_subgroups_by_enumeration(replica_ranks)
+    if parallel.ep == 1:
+        return shard, replicate, None
     ranks = mesh.mesh  # [dp_replicate, dp_shard, ep] -> global rank
-    shard, _ = dist.new_subgroups_by_enumeration([r.flatten().tolist() for r in ranks])
     copies = None
     if ranks.shape[0] * ranks.shape[1] > 1:
         per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]
@@ -214,6 +253,8 @@ def europa_plan(job, plan):
     parallel = cfg.parallel
     ep = parallel.ep
     shard_ranks = plan["world_size"] // parallel.dp_replicate  # dp_shard × ep
+    if cfg.section(NAME).dense_group == "node":
+        shard_ranks = min(shard_ranks, ranks_per_node(job))
     itemsize = plan.get("parameter_itemsize", 4)
     shapes = {name: tuple(shape) for name, shape in plan["parameter_shapes"].items()}
     routed = {name for name, shape in shapes.items() if ep > 1 and len(shape) == 3}
@@ -254,6 +295,12 @@ def europa_plan(job, plan):
         summary["expert_exchange"] = exchange
     copies = plan["world_size"] // ep  # ranks holding the same experts: dp_replicate × dp_shard
     plan["layout"] = layout.as_plan(units, a2a, ep, copies)
+    # The copies of each share (replicas, other nodes) sum their gradients once a step.
+    plan["layout"]["replica_group"] = {
+        "size": plan["world_size"] // shard_ranks,
+        "stride": shard_ranks,
+        "per_micro_batch": False,
+    }
     if routed:
         plan["layout"]["expert_kept_bytes_per_moe_block"] = exchange["kept_bytes_per_moe_block"]
     plan[NAME] = summary

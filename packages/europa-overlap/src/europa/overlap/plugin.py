@@ -8,8 +8,8 @@ layout that won ``europa_shard_model`` without importing it:
 * europa-flexshard: ``job.state["flexshard"]`` is its layout; its ``units``
   (``GatherUnit``) take a prefetch schedule through ``set_prefetch`` and its
   ``cancel_prefetch()`` drops an unused one; expert-parallel MoE layers (a
-  dispatcher with ``group``, ``rank``, ``ranges``, ``top_k``) get the chunked,
-  asynchronous all-to-all;
+  dispatcher with the chunked protocol's ``begin``) get the chunked, asynchronous
+  exchange;
 * core's FSDP2: the blocks of ``model.layers`` are FSDP modules
   (``set_modules_to_forward_prefetch`` and friends);
 * europa-offload: its copies already run on a side stream ordered by events on
@@ -70,8 +70,8 @@ class OverlapConfig:
         default=2,
         metadata={
             "ge": 0,
-            "doc": "chunks of local experts for the overlapped expert all-to-all "
-            "(0: the layout's own all-to-all)",
+            "doc": "chunks of the overlapped expert exchange: of local experts (flat) or of "
+            "tokens (two-level); 0: the layout's own exchange",
         },
     )
     timeline: bool = field(

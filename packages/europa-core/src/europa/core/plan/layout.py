@@ -28,6 +28,8 @@ Its keys (all per rank of the group that splits the parameters):
                       for its recomputation (saved, and offloadable, like its input)
 ``replicated_elements`` (optional; default: the largest ``stored_elements``)
                       elements all-reduced over ``dp_replicate``
+``replica_group``     (optional) {size, stride, per_micro_batch}: the ranks holding the
+                      same share (default: ``dp_replicate``, every micro-batch)
 ``expert_copies``     (optional) {elements, group_size, stride}: resident expert
                       gradients all-reduced over the ranks holding the same experts
 

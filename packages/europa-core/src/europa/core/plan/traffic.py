@@ -55,8 +55,14 @@ def step_traffic(
     gathered = passes * compute_bytes * ring_share(group) * micro_batches
     reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
     stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
-    replica_stride = world_size // replicas
-    replicated = 2 * stored * reduce_bytes * ring_share(replicas) * micro_batches
+    replica = layout.get("replica_group") or {
+        "size": replicas,
+        "stride": world_size // replicas,
+        "per_micro_batch": True,
+    }
+    replicas, replica_stride = replica["size"], replica["stride"]
+    reductions = micro_batches if replica["per_micro_batch"] else 1
+    replicated = 2 * stored * reduce_bytes * ring_share(replicas) * reductions
     copies = layout.get("expert_copies") or {"elements": 0, "group_size": 1, "stride": 1}
     copy_share = ring_share(copies["group_size"])
     expert_copies = 2 * copies["elements"] * reduce_bytes * copy_share * micro_batches
