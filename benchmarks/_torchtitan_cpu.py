@@ -116,6 +116,7 @@ from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
 from torchtitan.components.optimizer import default_adamw  # noqa: E402
 from torchtitan.config.configs import ParallelismConfig, TrainingConfig  # noqa: E402
+from torchtitan.distributed.activation_checkpoint import FullAC  # noqa: E402
 from torchtitan.models.common.attention import ScaledDotProductAttention  # noqa: E402
 from torchtitan.models.deepseek_v3 import model_registry  # noqa: E402
 from torchtitan.models.deepseek_v3.config_registry import deepseek_v3_debugmodel  # noqa: E402
@@ -155,9 +156,16 @@ class EuropaBatches(BaseDataLoader):
         self.step = state_dict["step"]
 
 
-def model_spec(europa_model: Any, *, fp32_experts: bool) -> Any:
-    """torchtitan's debugmodel with SDPA attention and europa's routing choices."""
+def model_spec(europa_model: Any, *, fp32_experts: bool, europa_shape: bool = False) -> Any:
+    """torchtitan's debugmodel with SDPA attention and europa's routing choices; with
+    ``europa_shape``, its model config is europa's own ``[model]`` (the same torchtitan
+    module tree europa trains, with SDPA attention), for a shape the preset overrides."""
     spec = model_registry("debugmodel")
+    if europa_shape:
+        from europa.core.model import model_spec as europa_model_spec
+
+        spec.model = europa_model_spec(europa_model, native_dtype_experts=fp32_experts)
+        return spec
     for layer in spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
         if layer.moe is None:
@@ -201,7 +209,11 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     europa = load_config(args["preset"], args["overrides"])
     opt = europa.optimizer
     config = deepseek_v3_debugmodel()
-    config.model_spec = model_spec(europa.model, fp32_experts=args["fp32_experts"])
+    config.model_spec = model_spec(
+        europa.model,
+        fp32_experts=args["fp32_experts"],
+        europa_shape=args.get("europa_shape", False),
+    )
     config.hf_assets_path = str(Path(assets_init).parent)  # europa's tokenizer.json
     config.dump_folder = dump_folder
     config.metrics = MetricsProcessor.Config(log_freq=args["log_every"])
@@ -213,6 +225,8 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     )
     config.training = TrainingConfig(
         local_batch_size=europa.training.batch_size,
+        # europa's micro-batches: as many accumulated per step on every rank
+        global_batch_size=europa.training.batch_size * world * europa.training.grad_accum_steps,
         seq_len=europa.training.seq_len,
         steps=args["steps"],
         max_norm=europa.training.max_grad_norm,
@@ -224,14 +238,19 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     # a plain tensor: "all parameters must be DTensors on the full SPMD mesh");
     # "partial_dtensor" is plain FSDP2 over the data-parallel ranks, as europa's core layout,
     # or with ``replicate`` HSDP over ``world`` replicas of one shard each.
+    # ``ep`` splits the routed experts over that many ranks (torchtitan's own all-to-all
+    # dispatcher); ``full_ac`` recomputes every block, as europa's
+    # activation_checkpointing.mode = "full".
     replicas = world if args.get("replicate") else 1
     config.parallelism = ParallelismConfig(
         data_parallel_shard_degree=world // replicas,
         data_parallel_replicate_degree=replicas,
+        expert_parallel_degree=args.get("ep", 1),
         spmd_backend="partial_dtensor",
     )
     config.checkpoint = CheckpointManager.Config(enable=False)
-    config.activation_checkpoint = None  # europa's runs recompute nothing either
+    # europa's e2e runs recompute nothing either
+    config.activation_checkpoint = FullAC.Config() if args.get("full_ac") else None
     return config
 
 
@@ -264,7 +283,7 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         finally:
             trainer.close()
         parameters = sum(p.numel() for p in model.parameters())
-        tokens = config.training.local_batch_size * config.training.seq_len * world
+        tokens = config.training.global_batch_size * config.training.seq_len
         result = summarise(clock, tokens)
         result.update(
             parameters=parameters,

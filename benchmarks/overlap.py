@@ -1,8 +1,7 @@
 """europa-overlap on an emulated interconnect: the same training with and without overlap.
 
-Two ranks, each in its own network namespace, joined by a veth pair whose two
-ends are rate-limited with ``tc ... tbf`` (``netem`` is missing on these
-machines; the burst exceeds the MTU), so that communication weighs as it does
+Two ranks, each in its own network namespace (``_netns``: a veth pair between
+them, rate-limited with ``tc ... tbf``), so that communication weighs as it does
 between nodes rather than over loopback, where gloo's communication thread
 mostly competes with compute for the cores. Each rank builds two trainers on
 the same model, data and optimizer (``-p flexshard`` with ``parallel.ep = 2`` by
@@ -37,50 +36,16 @@ import tempfile
 import time
 from pathlib import Path
 
-NAMESPACES = ("europa-ov0", "europa-ov1")
-DEVICES = ("europa-ov0", "europa-ov1")
-ADDRESSES = ("10.231.0.1", "10.231.0.2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _netns import TwoNodes, emulated_link, teardown
+
+NODES = TwoNodes(("europa-ov0", "europa-ov1"), ("10.231.0.1", "10.231.0.2"))
 PORT = 29581
 WITHOUT = [
     "overlap.prefetch_depth=0",
     "overlap.expert_chunks=0",
     "overlap.reduce_scatter_async=false",
 ]
-
-
-def _sh(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-def _teardown() -> None:
-    for ns in NAMESPACES:
-        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-
-
-def emulated_link(rate_mbit: float, burst_kb: int, latency_ms: int, mtu: int) -> str | None:
-    """Set up the namespaces and the rate-limited veth pair; None, or why not."""
-    if os.geteuid() != 0:
-        return "not root"
-    if not (shutil.which("ip") and shutil.which("tc")):
-        return "ip or tc missing"
-    _teardown()
-    try:
-        for ns in NAMESPACES:
-            _sh("ip", "netns", "add", ns)
-        _sh("ip", "link", "add", DEVICES[0], "type", "veth", "peer", "name", DEVICES[1])
-        for ns, dev, addr in zip(NAMESPACES, DEVICES, ADDRESSES, strict=True):
-            _sh("ip", "link", "set", dev, "netns", ns)
-            _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-            _sh("ip", "-n", ns, "link", "set", dev, "mtu", str(mtu), "up")
-            _sh("ip", "-n", ns, "link", "set", "lo", "up")
-            _sh("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
-                "rate", f"{rate_mbit}mbit", "burst", f"{burst_kb}kb", "latency",
-                f"{latency_ms}ms")  # fmt: skip
-    except (subprocess.CalledProcessError, OSError) as err:
-        _teardown()
-        detail = getattr(err, "stderr", "") or str(err)
-        return f"network namespace set-up failed: {' '.join(detail.split())}"
-    return None
 
 
 # -- one rank -----------------------------------------------------------------------------
@@ -148,8 +113,8 @@ def _launch(args, out: Path, link: str) -> None:
                    LOCAL_WORLD_SIZE="2", MASTER_PORT=str(PORT))  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", "--out", str(out), *_forwarded(args)]
         if link == "emulated":
-            env.update(MASTER_ADDR=ADDRESSES[0], GLOO_SOCKET_IFNAME=DEVICES[rank])
-            cmd = ["ip", "netns", "exec", NAMESPACES[rank], *cmd]
+            env.update(NODES.environment(rank))
+            cmd = NODES.command(rank, cmd)
         else:
             env.update(MASTER_ADDR="127.0.0.1", GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen(cmd, env=env))
@@ -212,7 +177,7 @@ def main() -> None:
 
     if args.burst_kb * 1024 <= args.mtu:
         parser.error(f"--burst-kb {args.burst_kb}: expected more than the MTU ({args.mtu} bytes)")
-    why_not = emulated_link(args.rate_mbit, args.burst_kb, args.latency_ms, args.mtu)
+    why_not = emulated_link(NODES, args.rate_mbit, args.burst_kb, args.latency_ms, args.mtu)
     link = "emulated" if why_not is None else "loopback"
     if why_not is not None:
         print(f"overlap benchmark: no emulated link ({why_not}); running over loopback, where "
@@ -224,7 +189,7 @@ def main() -> None:
         _launch(args, out, link)
     finally:
         if link == "emulated":
-            _teardown()
+            teardown(NODES)
     records = json.loads((out / "records.json").read_text())
     configs = {name: _summary(rs) for name, rs in records.items()}
     without, with_ = configs["without_overlap"], configs["with_overlap"]
