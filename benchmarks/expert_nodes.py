@@ -262,31 +262,31 @@ def torchtitan_worker(args) -> None:
     from _torchtitan_cpu import run_trainer  # patches torchtitan on import
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    with tempfile.TemporaryDirectory(prefix="expert-nodes-data-") as data_dir:
-        result = run_trainer(
-            rank,
-            world,
-            {
-                "preset": "debug",
-                "overrides": [
-                    *SHAPES[args.shape],
-                    f"training.batch_size={args.batch_size}",
-                    f"training.seq_len={args.seq_len}",
-                    f"training.grad_accum_steps={args.grad_accum}",
-                ],
-                "fp32_experts": True,
-                "europa_shape": True,
-                "replicate": False,
-                "ep": RANKS,
-                "full_ac": True,
-                "log_every": 1,
-                "data_dir": data_dir,
-                "steps": args.steps + 1,
-                "warmup": 1,
-                "timed": args.steps - 1,
-                "profiled": 1,
-            },
-        )
+    overrides = [
+        *SHAPES[args.shape],
+        f"training.batch_size={args.batch_size}",
+        f"training.seq_len={args.seq_len}",
+        f"training.grad_accum_steps={args.grad_accum}",
+    ]
+    result = run_trainer(
+        rank,
+        world,
+        {
+            "preset": "debug",
+            "overrides": overrides,
+            "fp32_experts": True,
+            "europa_shape": True,
+            "replicate": False,
+            "ep": RANKS,
+            "full_ac": True,
+            "log_every": 1,
+            "data_dir": str(Path(args.out) / "torchtitan-data"),  # shared: rank 0 prepares it
+            "steps": args.steps + 1,
+            "warmup": 1,
+            "timed": args.steps - 1,
+            "profiled": 1,
+        },
+    )
     if rank == 0:
         (Path(args.out) / "torchtitan.json").write_text(json.dumps(result))
 

@@ -20,14 +20,24 @@ class Run:
     preset: str = "tiny"
 
 
+def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: bool = False):
+    """The Trainer ``europa train`` builds on this rank of a spawned gloo group."""
+    from europa.core.job import Job
+    from europa.core.train.distributed import ProcessPlace, init_distributed
+    from europa.core.train.loop import Trainer
+
+    place = ProcessPlace(rank, world, rank, "torchrun")
+    device, mesh = init_distributed(config.parallel, place)
+    job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
+              local_rank=rank, device=device, mesh=mesh)  # fmt: skip
+    return Trainer(job, plugins, resume)
+
+
 def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, list[dict]]:
     import torch.distributed as dist
 
-    from europa.core.job import Job
     from europa.core.run_dir import prepare_run_dir
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
-    from europa.core.train.loop import Trainer
 
     records = {}
     for run in runs:
@@ -41,11 +51,7 @@ def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, l
                     shutil.rmtree(later)
             prepare_run_dir(config, run_dir, resume=run.resume_from is not None)
         dist.barrier()
-        place = ProcessPlace(rank, world, rank, "torchrun")
-        device, mesh = init_distributed(config.parallel, place)
-        job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
-                  local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        Trainer(job, plugins, run.resume_from is not None).run()
+        rank_trainer(rank, world, config, plugins, run_dir, run.resume_from is not None).run()
         dist.barrier()
         lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
         records[run.name] = [json.loads(line) for line in lines]

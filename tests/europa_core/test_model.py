@@ -192,3 +192,24 @@ def test_a_model_without_moe_layers_has_no_expert_load():
 
     load = update_expert_bias(torch.nn.Linear(2, 2))
     assert load.shares == {} and load.imbalance() == {}
+
+
+def test_a_node_limit_makes_the_routers_groups_the_nodes_of_an_ep_group():
+    """parallel.ep_max_nodes_per_token = 1 with ep = 4 over nodes of 2: the router's groups are
+    the two nodes' experts, and every token's top-k experts sit on one of them."""
+    from europa.core.train.distributed import routed_model
+
+    config = load_config("tiny", ["parallel.ep=4", "parallel.ep_max_nodes_per_token=1"])
+    routed = routed_model(config, world_size=4, per_node=2)
+    assert (routed.num_expert_groups, routed.num_limited_groups) == (2, 1)
+    assert routed_model(load_config("tiny"), 4, 2) == load_config("tiny").model  # off: as is
+    model = build_moe_model(routed)
+    materialise(model, torch.device("cpu"), seed=0)
+    router = next(m for n, m in model.named_modules() if n.endswith("router"))
+    x = torch.randn(4, 64, routed.dim, generator=torch.Generator().manual_seed(0))
+    _, ids, _ = router(x)
+    half = routed.num_experts // 2
+    assert bool(((ids // half).amin(-1) == (ids // half).amax(-1)).all())
+    free = next(m for n, m in _materialised()[1].named_modules() if n.endswith("router"))
+    _, free_ids, _ = free(x)
+    assert not bool(((free_ids // half).amin(-1) == (free_ids // half).amax(-1)).all())

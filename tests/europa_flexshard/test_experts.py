@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import sys
 from pathlib import Path
 
@@ -16,7 +18,7 @@ from europa.flexshard import ParameterSpec, plan_ownership
 from europa.flexshard.traffic import routed_bytes
 from europa.flexshard.wire import RowBytes, Wire
 from tests.conftest import run_ranks
-from tests.trainer_runs import Run, train_runs
+from tests.trainer_runs import Run, rank_trainer, train_runs
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 from _links import LinkCounter
@@ -214,6 +216,7 @@ CHECKPOINTING = 'activation_checkpointing.mode="full"'
 KEPT = "parallel.ep_keep_exchanges=true"
 DENSE_NODE = 'flexshard.dense_group="node"'
 ACCUMULATE = "training.grad_accum_steps=2"
+ONE_NODE = "parallel.ep_max_nodes_per_token=1"
 COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
 TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
 RUNS = [
@@ -236,6 +239,8 @@ RUNS = [
     # Accumulated micro-batches: the copies sum their gradients once, after the last one.
     Run("ep4-accumulated", [*TWO_NODES, ACCUMULATE], ["flexshard"]),
     Run("ep4-accumulated-dense-node", [*TWO_NODES, ACCUMULATE, DENSE_NODE], ["flexshard"]),
+    # Node-limited routing: 8 experts, a token's 3 on one of the 2 nodes.
+    Run("ep4-one-node-a-token", [*TWO_NODES, "model.num_experts=8", ONE_NODE], ["flexshard"]),
 ]
 CHECKPOINTED = [*TWO_NODES, CHECKPOINTING]
 # All-to-alls per MoE layer and forward / backward: the flat exchange sends counts, tokens
@@ -264,10 +269,7 @@ def _exchange_calls(trainer) -> tuple[int, int]:
 
 def _kept_exchange_rank(rank: int, world: int, root: str) -> dict:
     """One step of each exchange with and without kept exchanges (and offload), counted."""
-    from europa.core.job import Job
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
-    from europa.core.train.loop import Trainer
     from europa.flexshard.exchange import Keeper
 
     kept_bytes = []
@@ -293,18 +295,8 @@ def _kept_exchange_rank(rank: int, world: int, root: str) -> dict:
                     *(offload if "offload" in plugins else []),
                 ]
                 config, manager = open_session("tiny", settings, plugins)
-                place = ProcessPlace(rank, world, rank, "torchrun")
-                device, mesh = init_distributed(config.parallel, place)
                 run_dir = Path(root) / f"{dispatch}-{keep}-{len(plugins)}"
-                job = Job(
-                    config=config,
-                    run_dir=run_dir,
-                    rank=rank,
-                    world_size=world,
-                    device=device,
-                    mesh=mesh,
-                )
-                trainer = Trainer(job, manager, resume=False)
+                trainer = rank_trainer(rank, world, config, manager, run_dir)
                 kept_bytes.clear()
                 calls, offloaded = _exchange_calls(trainer)
                 out[dispatch, keep, len(plugins)] = {
@@ -328,7 +320,7 @@ def _group_rank(rank: int, world: int, root: str) -> dict:
 def four_ranks(tmp_path_factory):
     """Every 4-rank check of this module in one spawned group."""
     root = tmp_path_factory.mktemp("expert-runs")
-    return run_ranks(_group_rank, 4, str(root), timeout=400)
+    return root, run_ranks(_group_rank, 4, str(root), timeout=400)
 
 
 @pytest.mark.distributed
@@ -336,7 +328,7 @@ def test_a_recomputation_exchanges_nothing_when_exchanges_are_kept(four_ranks):
     """The recomputed forward of full activation checkpointing re-runs no all-to-all; what
     it needed was saved with the block, and europa-offload moved it to host memory."""
     layers = load_config("tiny").model.n_layers - load_config("tiny").model.n_dense_layers
-    for result in (r["kept"] for r in four_ranks):
+    for result in (r["kept"] for r in four_ranks[1]):
         for dispatch, (forward, backward) in EXCHANGES.items():
             for plugins in (1, 2):
                 again, kept = result[dispatch, False, plugins], result[dispatch, True, plugins]
@@ -352,7 +344,7 @@ def test_a_recomputation_exchanges_nothing_when_exchanges_are_kept(four_ranks):
 
 @pytest.mark.distributed
 def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ranks):
-    runs = four_ranks[0]["runs"]
+    runs = four_ranks[1][0]["runs"]
     losses = {name: [r["loss"] for r in records] for name, records in runs.items()}
     for ep in ("ep2", "ep4"):  # the same global batch: equal within fp32 noise
         assert losses[ep] == pytest.approx(losses["ep1"], rel=1e-5)
@@ -370,6 +362,19 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ran
     assert losses["ep4-node-resumed-all"] == pytest.approx(losses["ep4-dense-node"], rel=1e-6)
     fp8 = losses["ep4-two-level-fp8-kept"]
     assert fp8 == pytest.approx(losses["ep4"], rel=1e-2) and fp8 != losses["ep4"]
+
+
+@pytest.mark.distributed
+def test_a_node_limited_run_exports_the_routing_it_trained_with(four_ranks, tmp_path):
+    root, results = four_ranks
+    run_dir = root / "ep4-one-node-a-token"
+    job = json.loads((run_dir / "job.json").read_text())
+    assert job["routing_groups"] == {"num_expert_groups": 2, "num_limited_groups": 1}
+    assert run(["export-hf", str(run_dir), "--out", str(tmp_path / "hf")]) == 0
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert (config["n_group"], config["topk_group"]) == (2, 1)
+    losses = [r["loss"] for r in results[0]["runs"]["ep4-one-node-a-token"]]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
 
 
 def test_an_expert_split_the_ranks_cannot_hold_is_one_line(tmp_path, capsys):

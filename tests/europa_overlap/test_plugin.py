@@ -17,6 +17,7 @@ COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_siz
           "training.seq_len=32"]  # fmt: skip
 EP = ["parallel.ep=2", "flexshard.log_plan=false"]
 RECOMPUTE = ['activation_checkpointing.mode="full"', "offload.min_tensor_kib=1"]
+TWO_LEVEL_KEPT = ["parallel.ranks_per_node=1", "parallel.ep_keep_exchanges=true"]
 KEEP_LAST = ['overlap.reshard_after_forward="all_but_last"', "overlap.prefetch_depth=2"]
 RUNS = [
     Run("flexshard", [*COMMON, *EP], ["flexshard"]),
@@ -29,8 +30,19 @@ RUNS = [
     ),
     Run("fsdp2", COMMON),
     Run("fsdp2-overlap", [*COMMON, *KEEP_LAST], ["overlap"]),
+    # The two-level exchange (a node per rank) with kept exchanges, chunked by token.
+    Run("two-level-kept", [*COMMON, *EP, *RECOMPUTE, *TWO_LEVEL_KEPT], ["flexshard", "offload"]),
+    Run(
+        "two-level-kept-overlap",
+        [*COMMON, *EP, *RECOMPUTE, *TWO_LEVEL_KEPT],
+        ["flexshard", "offload", "overlap"],
+    ),
 ]
-PAIRS = [(r.name, f"{r.name}-overlap") for r in RUNS if "overlap" not in r.name]
+PAIRS = [
+    (r.name, f"{r.name}-overlap")
+    for r in RUNS
+    if "overlap" not in r.name and "two-level" not in r.name
+]
 
 
 @pytest.fixture
@@ -46,6 +58,17 @@ def test_losses_are_identical_with_and_without_overlap(runs):
         assert len(records[plain]) == 3
         for a, b in zip(records[plain], records[overlapped], strict=True):
             assert (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]), (plain, a["step"])
+
+
+@pytest.mark.distributed
+def test_the_two_level_exchange_overlaps_with_kept_exchanges_and_trains_as_the_flat_one(runs):
+    """Chunks of tokens: equal to the unchunked exchange to rounding, which equals the flat
+    exchange (recomputing its exchanges) to rounding."""
+    _, records = runs
+    for name in ("two-level-kept", "two-level-kept-overlap"):
+        for a, b in zip(records[name], records["flexshard-offload"], strict=True):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-6), (name, a["step"])
+            assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5), (name, a["step"])
 
 
 @pytest.mark.distributed

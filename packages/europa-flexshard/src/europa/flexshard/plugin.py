@@ -119,6 +119,18 @@ def _expert_parallel(job, copies):
     )
 
 
+def _check_dense_group(job, group: int) -> None:
+    if job.config.section(NAME).dense_group != "node":
+        return
+    per_node = ranks_per_node(job)
+    if group > per_node and group % per_node:
+        raise FlexShardError(
+            f'flexshard.dense_group = "node": the {group} ranks of dp_shard × ep do not hold '
+            f'whole nodes of {per_node}; expected flexshard.dense_group = "all" or ranks per '
+            "node dividing them"
+        )
+
+
 def dense_ranks(job) -> tuple[list[list[int]], list[list[int]]]:
     """(the groups splitting the non-expert matrices, the replica groups holding the same
     share) as global ranks. Each replica's ``dp_shard × ep`` ranks (consecutive) split them,
@@ -126,17 +138,10 @@ def dense_ranks(job) -> tuple[list[list[int]], list[list[int]]]:
     from europa.flexshard.nodes import split_into_nodes
 
     blocks = [r.flatten().tolist() for r in job.mesh.mesh]  # [dp_replicate][dp_shard × ep]
+    _check_dense_group(job, len(blocks[0]))
     if job.config.section(NAME).dense_group == "node":
-        try:
-            blocks = [
-                node for block in blocks for node in split_into_nodes(block, ranks_per_node(job))
-            ]
-        except FlexShardError:
-            raise FlexShardError(
-                f'flexshard.dense_group = "node": the {len(blocks[0])} ranks of dp_shard × ep '
-                f"do not hold whole nodes of {ranks_per_node(job)}; expected "
-                'flexshard.dense_group = "all" or ranks per node dividing them'
-            ) from None
+        per_node = ranks_per_node(job)
+        blocks = [node for block in blocks for node in split_into_nodes(block, per_node)]
     replicas = [[block[i] for block in blocks] for i in range(len(blocks[0]))]
     return blocks, replicas
 
@@ -253,6 +258,7 @@ def europa_plan(job, plan):
     parallel = cfg.parallel
     ep = parallel.ep
     shard_ranks = plan["world_size"] // parallel.dp_replicate  # dp_shard × ep
+    _check_dense_group(job, shard_ranks)
     if cfg.section(NAME).dense_group == "node":
         shard_ranks = min(shard_ranks, ranks_per_node(job))
     itemsize = plan.get("parameter_itemsize", 4)

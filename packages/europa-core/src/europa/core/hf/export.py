@@ -167,6 +167,26 @@ def _prepare_out(out: Path) -> Path:
     return staged
 
 
+def _as_trained(config, run_dir: Path):
+    """``[model]`` with the routing groups the run trained with: node-limited routing
+    (``parallel.ep_max_nodes_per_token``) sets them from the nodes, as ``job.json`` records."""
+    import dataclasses
+
+    from europa.core.run_dir import JOB_FILE
+
+    if not config.parallel.ep_max_nodes_per_token:
+        return config.model
+    job_file = run_dir / JOB_FILE
+    groups = json.loads(job_file.read_text()).get("routing_groups") if job_file.is_file() else None
+    if not groups:
+        raise ConfigError(
+            f"parallel.ep_max_nodes_per_token = {config.parallel.ep_max_nodes_per_token}: "
+            f"{job_file} does not say the routing groups the run trained with; expected the "
+            "job.json of a run started by europa train"
+        )
+    return dataclasses.replace(config.model, **groups)
+
+
 def export_hf(
     run_dir: Path,
     out: Path,
@@ -185,9 +205,10 @@ def export_hf(
     if max_shard_bytes <= 0:
         raise ConfigError(f"--max-shard-size = {max_shard_bytes}: expected a size > 0")
     config, _ = load_run_config(run_dir)
-    check_exportable(config.model)
+    model_config = _as_trained(config, run_dir)
+    check_exportable(model_config)
     done, path = find_checkpoint(run_dir, step)
-    model = build_moe_model(config.model)
+    model = build_moe_model(model_config)
     shapes = hf_tensors(model)
     present = _check_checkpoint(path, shapes)
     sources = [
@@ -204,7 +225,7 @@ def export_hf(
         total += sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (staged / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    hf_config = hf_config_from_model(config.model, dtype)
+    hf_config = hf_config_from_model(model_config, dtype)
     (staged / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     if out.exists():
         out.rmdir()  # checked empty above

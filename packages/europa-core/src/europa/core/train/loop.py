@@ -30,6 +30,7 @@ from europa.core.train.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
+    routed_model,
     data_parallel_coordinates,
     init_distributed,
     shutdown,
@@ -231,11 +232,18 @@ class Trainer:
     def _write_job_file(self) -> None:
         """What a report of a run still going needs and the config does not say."""
         job = self.job
+        routed = routed_model(job.config, job.world_size, job.node_size)
         info = {
             "world_size": job.world_size,
+            "ranks_per_node": job.node_size,
             "mesh": dict(zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)),
             "device": job.device.type,
             "parameters": self.counts.as_dict(),
+            # the router's groups as trained (parallel.ep_max_nodes_per_token sets them)
+            "routing_groups": {
+                "num_expert_groups": routed.num_expert_groups,
+                "num_limited_groups": routed.num_limited_groups,
+            },
         }
         staged = job.run_dir / f".{JOB_FILE}.partial"
         staged.write_text(json.dumps(info, indent=2) + "\n")
