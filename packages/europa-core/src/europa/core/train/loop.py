@@ -30,9 +30,9 @@ from europa.core.train.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
-    routed_model,
     data_parallel_coordinates,
     init_distributed,
+    routed_model,
     shutdown,
 )
 from europa.core.train.evaluate import validation_metrics
