@@ -5,9 +5,9 @@ steps on 4 gloo processes under ``-p flexshard`` with each ``parallel.ep``
 (every rank reads its own sequences, so the global batch is the same). Per
 configuration:
   * tokens/s and step time (median over the timed steps, rank 0's record);
-  * expert all-to-all payload per rank and step, counted from the all-to-alls
-    actually issued (a dispatch mode, in a step of its own), against the figure
-    ``europa_plan`` states for the same config;
+  * expert exchange bytes per rank and step sent to the other ranks, counted by
+    wrapping the all-to-alls actually issued (``_links``, in a step of its own),
+    against the figure ``europa_plan`` states for the same config;
   * routed-expert bytes per rank: stored (the rank's own parameters) and read
     by its grouped GEMMs in one forward (counted from the expert weight tensors
     the expert modules see: at ep = 1 every layer's full stack is gathered);
@@ -27,7 +27,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import CollectiveBytes, local_bytes, print_result, run_ranks, trainer_on_rank
+from _harness import local_bytes, print_result, run_ranks, trainer_on_rank
+from _links import LinkCounter
 
 ALL_TO_ALL_EVENTS = ("all_to_all", "alltoall", "wait_tensor")
 
@@ -89,7 +90,7 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
             local_bytes(p) for n, p in layout.named_local_parameters() if layout.spec(n).stacked
         )
         records, split, read = [], {}, []
-        counter = CollectiveBytes(only=lambda name: "all_to_all" in name or "alltoall" in name)
+        counter = LinkCounter(per_node=world)  # one node: every byte on its intra-node link
         for step in range(args["steps"]):
             if step == 1:
                 read, handles = _expert_weights_read(trainer)
@@ -105,7 +106,7 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
         return {
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
             "step_s": statistics.median(r["step_time_s"] for r in timed),
-            "all_to_all_bytes": counter.bytes,
+            "all_to_all_bytes": sum(counter.totals().values()),
             "all_to_all_calls": counter.calls,
             "routed_expert_bytes_stored": stored,
             # the first forward's calls: one per MoE layer (a recompute would repeat them)
