@@ -219,6 +219,9 @@ ACCUMULATE = "training.grad_accum_steps=2"
 ONE_NODE = "parallel.ep_max_nodes_per_token=1"
 COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
 TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
+BF16_REPLICAS = [*COMMON, "parallel.ep=2", "parallel.dp_replicate=2", ACCUMULATE,
+                 'training.dtype="bfloat16"']  # fmt: skip
+BF16_REDUCE = 'flexshard.reduce_dtype="bfloat16"'
 RUNS = [
     Run("ep1", [*COMMON, "parallel.ep=1"], ["flexshard"]),
     Run("ep2", [*COMMON, "parallel.ep=2"], ["flexshard"]),
@@ -239,6 +242,10 @@ RUNS = [
     # Accumulated micro-batches: the copies sum their gradients once, after the last one.
     Run("ep4-accumulated", [*TWO_NODES, ACCUMULATE], ["flexshard"]),
     Run("ep4-accumulated-dense-node", [*TWO_NODES, ACCUMULATE, DENSE_NODE], ["flexshard"]),
+    # bf16 replicas (dp_replicate = 2) with accumulation: the replicas' and the expert
+    # copies' once-a-step sums in fp32, then in bf16.
+    Run("ep2-replicas-bf16", BF16_REPLICAS, ["flexshard"]),
+    Run("ep2-replicas-bf16-reduce", [*BF16_REPLICAS, BF16_REDUCE], ["flexshard"]),
     # Node-limited routing: 8 experts, a token's 3 on one of the 2 nodes.
     Run("ep4-one-node-a-token", [*TWO_NODES, "model.num_experts=8", ONE_NODE], ["flexshard"]),
 ]
@@ -362,6 +369,8 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ran
     assert losses["ep4-node-resumed-all"] == pytest.approx(losses["ep4-dense-node"], rel=1e-6)
     fp8 = losses["ep4-two-level-fp8-kept"]
     assert fp8 == pytest.approx(losses["ep4"], rel=1e-2) and fp8 != losses["ep4"]
+    bf16_sums, fp32_sums = losses["ep2-replicas-bf16-reduce"], losses["ep2-replicas-bf16"]
+    assert bf16_sums == pytest.approx(fp32_sums, rel=2e-2) and bf16_sums != fp32_sums
 
 
 @pytest.mark.distributed

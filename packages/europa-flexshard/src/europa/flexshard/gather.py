@@ -82,6 +82,15 @@ class Slot:
         return self.module._parameters[self.attr]
 
 
+def sum_over(grads: Sequence[torch.Tensor], group, dtype: torch.dtype | None) -> None:
+    """Sum ``grads`` in place over ``group``: one all-reduce of them flattened together,
+    in ``dtype`` (default: their own)."""
+    flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+        grad.copy_(piece.view_as(grad))
+
+
 @dataclass(frozen=True)
 class Groups:
     """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
@@ -219,12 +228,8 @@ class GatherUnit:
             return
         self._replicas_pending = False
         grads = [slot.local.grad for slot in self.slots if slot.local.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.groups.replicate)
-        for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(piece.view_as(grad))
+        if grads:
+            sum_over(grads, self.groups.replicate, self.reduce_dtype)
 
     def _accumulate(self, rows, mine, work) -> None:
         """End of backward: this unit's asynchronous reduce-scatter is waited for and its

@@ -29,7 +29,7 @@ from europa.flexshard.experts import (
     expert_stack,
     routed_expert_modules,
 )
-from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather
+from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather, sum_over
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
@@ -143,10 +143,13 @@ class FlexShardLayout:
                 param.register_hook(self.experts.reduce_gradient)
 
     def finish_gradients(self) -> None:
-        """Sum the owned gradients over the replicas, once per optimizer step after the last
-        micro-batch's backward (``clip_grad_norm_`` and the optimizer's step call it)."""
+        """Sum the owned gradients over the replicas and the resident experts' gradients
+        over their copies, once per optimizer step after the last micro-batch's backward
+        (``clip_grad_norm_`` and the optimizer's step call it)."""
         for unit in self.units:
             unit.reduce_replicas()
+        if self.experts is not None:
+            self.experts.reduce_copies([self.slots[n].local for n in self.experts.names])
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
@@ -226,14 +229,26 @@ class _Experts:
     def group(self) -> dist.ProcessGroup | None:
         return self.parallel.group
 
+    reduce_dtype: torch.dtype | None = None
+    _copies_pending: bool = False
+
     def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor:
-        """Sum over the copies of these experts, then the mean over data-parallel ranks."""
+        """This backward's share of the mean over data-parallel ranks; the copies of these
+        experts sum the accumulated gradients once a step (``reduce_copies``)."""
         copies = self.parallel.copies
         world = dist.get_world_size() if dist.is_initialized() else 1
-        out = grad / (self.parallel.data_parallel_size or world)
-        if copies is not None and dist.get_world_size(copies) > 1:
-            dist.all_reduce(out, op=dist.ReduceOp.SUM, group=copies)
-        return out
+        self._copies_pending = copies is not None and dist.get_world_size(copies) > 1
+        return grad / (self.parallel.data_parallel_size or world)
+
+    def reduce_copies(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum the experts' gradients over their copies (one all-reduce, in the reduce
+        dtype), if a backward left them unsummed; every copy calls it together."""
+        if not self._copies_pending:
+            return
+        self._copies_pending = False
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            sum_over(grads, self.parallel.copies, self.reduce_dtype)
 
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Expert parameter ``name`` in full, from each rank's run of it (a collective)."""
@@ -289,7 +304,11 @@ def flex_shard(
         for name, param in model.named_parameters()
     }
     compute_itemsize = (param_dtype or next(model.parameters()).dtype).itemsize
-    routed = _plan_experts(model, specs, experts, compute_itemsize) if experts is not None else None
+    routed = (
+        _plan_experts(model, specs, experts, compute_itemsize, reduce_dtype)
+        if experts is not None
+        else None
+    )
     expert_names = set(routed.names) if routed is not None else set()
     dense = [spec for name, spec in specs.items() if name not in expert_names]
     plan = plan_ownership(dense, groups.size)
@@ -348,6 +367,7 @@ def _plan_experts(
     specs: dict[str, ParameterSpec],
     parallel: ExpertParallel,
     compute_itemsize: int,
+    reduce_dtype: torch.dtype | None = None,
 ) -> _Experts:
     """Whole experts over the expert-parallel group: one stack per routed-expert
     module (its matrices together), and each module's dispatcher swapped for ours."""
@@ -377,7 +397,7 @@ def _plan_experts(
         module.token_dispatcher = parallel.dispatcher(
             rank, ranges, _top_k(module), compute_itemsize
         )
-    return _Experts(owners, parallel, rank, size, plan)
+    return _Experts(owners, parallel, rank, size, plan, reduce_dtype=reduce_dtype)
 
 
 def _router_groups(model: nn.Module, module_name: str) -> int:
