@@ -36,6 +36,17 @@ class HardwareProfile:
     host_device_gbps: float
     link_efficiency: float
     shared_memory: bool = False  # CPU ranks of a node share device_memory_gib
+    # Per link, where one is known (measured, or published for that link); else link_efficiency.
+    intra_node_efficiency: float | None = None
+    inter_node_efficiency: float | None = None
+    host_device_efficiency: float | None = None
+
+    def bandwidth(self, link: str) -> float:
+        """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device"),
+        its efficiency applied."""
+        peak = getattr(self, f"{link}_gbps") * 1e9
+        efficiency = getattr(self, f"{link}_efficiency")
+        return peak * (self.link_efficiency if efficiency is None else efficiency)
 
     def device_bytes_per_rank(self, ranks_per_node: int) -> int:
         share = ranks_per_node if self.shared_memory else 1
@@ -130,6 +141,10 @@ def _check_value(source: str, key: str, value) -> None:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number >= 0")
         if positive and value == 0:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number > 0")
+        if key.endswith("efficiency") and value > 1:
+            raise ConfigError(
+                f"hardware {source!r}: {key} = {value!r}; expected a share of the peak, in (0, 1]"
+            )
 
 
 def this_machine(device_type: str, available_bytes: int, host_bytes: int = 0) -> HardwareProfile:

@@ -28,10 +28,14 @@ Its keys (all per rank of the group that splits the parameters):
                       for its recomputation (saved, and offloadable, like its input)
 ``replicated_elements`` (optional; default: the largest ``stored_elements``)
                       elements all-reduced over ``dp_replicate``
-``replica_group``     (optional) {size, stride, per_micro_batch}: the ranks holding the
-                      same share (default: ``dp_replicate``, every micro-batch)
-``expert_copies``     (optional) {elements, group_size, stride}: resident expert
-                      gradients all-reduced over the ranks holding the same experts
+``replica_group``     (optional) {size, stride, per_micro_batch, overlappable}: the ranks
+                      holding the same share, whether they sum every micro-batch or once a
+                      step, and whether that all-reduce can run beside the backward
+                      (default: ``dp_replicate``, every micro-batch, overlapped)
+``expert_copies``     (optional) {elements, group_size, stride, per_micro_batch,
+                      overlappable}: resident expert gradients all-reduced over the ranks
+                      holding the same experts (default: every micro-batch, overlapped)
+``reduce_itemsize``   (optional; default 4) bytes per element of gradient reductions
 
 FSDP2 (``fully_shard`` with ``Shard(0)``): a rank holds rows
 ``[r·c, min((r+1)·c, d0))`` with ``c = ceil(d0 / ranks)``, in storage padded to

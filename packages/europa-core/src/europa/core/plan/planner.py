@@ -189,7 +189,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     training, model_cfg = config.training, config.model
     layout = plan["layout"]
     compute_bytes = 2 if training.dtype == "bfloat16" else 4
-    reduce_bytes = 4
+    reduce_bytes = layout.get("reduce_itemsize", 4)
     recompute = config.section("activation_checkpointing").mode == "full"
     offload = HostOffload.of(plan.get("host_offload"))
     tokens = training.batch_size * training.seq_len
@@ -244,15 +244,14 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
     head = 2 * model_cfg.vocab_size * model_cfg.dim
     recompute_flops = per_token // 3 - head if recompute else 0
-    bandwidth = {
-        INTRA: hardware.intra_node_gbps * 1e9 * hardware.link_efficiency,
-        INTER: hardware.inter_node_gbps * 1e9 * hardware.link_efficiency,
-        HOST: hardware.host_device_gbps * 1e9 * hardware.link_efficiency,
-    }
+    bandwidth = {link: hardware.bandwidth(link) for link in (INTRA, INTER, HOST)}
     # "With overlap": what europa-overlap says it hides, or (not enabled) every
     # kind that can run beside compute, as the estimate of what it would give.
     overlappable = tuple(t.kind for t in traffic if t.overlappable)
     overlapped = tuple(plan.get("overlapped_kinds", overlappable))
+    layout_overlapped = LAYOUT_OVERLAPPED
+    if hardware.device == "cpu":  # gloo's collectives run on the cores that compute
+        overlapped = layout_overlapped = ()
     timing = dict(
         model_flops=per_token * tokens_per_rank,
         hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
@@ -275,7 +274,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         host_terms=host_terms,
         host_capacity=host_capacity,
         traffic=traffic,
-        without_overlap=step_time(**timing, overlapped_kinds=LAYOUT_OVERLAPPED),
+        without_overlap=step_time(**timing, overlapped_kinds=layout_overlapped),
         with_overlap=step_time(**timing, overlapped_kinds=overlapped),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,

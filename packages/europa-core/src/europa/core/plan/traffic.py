@@ -59,13 +59,15 @@ def step_traffic(
         "size": replicas,
         "stride": world_size // replicas,
         "per_micro_batch": True,
+        "overlappable": True,
     }
     replicas, replica_stride = replica["size"], replica["stride"]
     reductions = micro_batches if replica["per_micro_batch"] else 1
     replicated = 2 * stored * reduce_bytes * ring_share(replicas) * reductions
     copies = layout.get("expert_copies") or {"elements": 0, "group_size": 1, "stride": 1}
     copy_share = ring_share(copies["group_size"])
-    expert_copies = 2 * copies["elements"] * reduce_bytes * copy_share * micro_batches
+    copy_reductions = micro_batches if copies.get("per_micro_batch", True) else 1
+    expert_copies = 2 * copies["elements"] * reduce_bytes * copy_share * copy_reductions
     step_gather = layout["optimizer_step_gather_elements"] * 4 * ring_share(group)
     experts = layout.get("expert_all_to_all_bytes_by_link") or {
         contiguous_link(layout["expert_group_size"], gpus_per_node): layout[
@@ -79,13 +81,13 @@ def step_traffic(
             "gradient_replica_all_reduce",
             strided_link(replicas, replica_stride, gpus_per_node),
             int(replicated),
-            True,
+            replica.get("overlappable", True),
         ),
         Traffic(
             "expert_gradient_all_reduce",
             strided_link(copies["group_size"], copies["stride"], gpus_per_node),
             int(expert_copies),
-            True,
+            copies.get("overlappable", True),
         ),
         *(Traffic("expert_all_to_all", link, int(n), True) for link, n in experts.items()),
         Traffic("optimizer_step", shard_link, int(step_gather), False),
