@@ -17,7 +17,7 @@ from europa.core.plan.activations import block_activations
 from europa.core.plan.layout import fsdp2_layout
 from europa.core.plan.memory import HostOffload, activations
 from europa.core.plan.report import plan_json, plan_table
-from europa.core.plan.search import search, with_batch
+from europa.core.plan.search import smallest_replica
 from europa.core.plan.shapes import ModelShapes, ParameterShape
 from europa.core.session import open_session
 
@@ -126,21 +126,7 @@ def _tight_cpu(tmp_path, gib: float):
     return load_profile(str(path))
 
 
-def test_search_finds_the_largest_micro_batch_that_fits(tmp_path):
-    config, plugins = open_session("tiny", ["training.seq_len=64"])
-    hardware = _tight_cpu(tmp_path, 0.2)
-    model = build_moe_model(config.model)
-
-    def plan_for(cfg, ranks):
-        return make_plan(cfg, plugins, hardware, ranks, model=model)
-
-    found, note = search(config, plan_for, 2, hardware.gpus_per_node)
-    batch = found.config.training.batch_size
-    assert found.fits and not plan_for(with_batch(config, batch + 1), 2).fits
-    assert f"is {batch} sequence(s)" in note
-
-
-def test_search_finds_the_smallest_replica_that_fits(tmp_path):
+def test_the_smallest_replica_that_fits(tmp_path):
     config, plugins = open_session("debug", ["training.batch_size=1", "training.seq_len=32"])
     model = build_moe_model(config.model)
     roomy = _tight_cpu(tmp_path, 100.0)
@@ -151,10 +137,10 @@ def test_search_finds_the_smallest_replica_that_fits(tmp_path):
         return make_plan(cfg, plugins, hardware, ranks, model=model)
 
     assert not plan_for(config, 2).fits
-    found, note = search(config, plan_for, 2, hardware.gpus_per_node)
+    found, note = smallest_replica(config, plan_for, hardware.gpus_per_node)
     assert found.fits and found.world_size <= 8
     assert not plan_for(config, found.world_size - 2).fits
-    assert f"smallest replica that fits is {found.world_size} GPU(s)" in note
+    assert f"smallest replica that fits the config as given is {found.world_size} GPU(s)" in note
 
 
 def test_core_fsdp2_has_no_expert_parallelism_in_the_plan_either():

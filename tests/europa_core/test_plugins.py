@@ -474,6 +474,7 @@ def test_every_hook_docstring_states_how_it_is_called():
         "europa_after_step",
         "europa_checkpoint_state",
         "europa_plan",
+        "europa_search_levers",
         "europa_register_commands",
     }
     for name, fn in specs.items():

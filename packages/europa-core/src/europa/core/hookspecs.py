@@ -233,6 +233,24 @@ def europa_plan(job: Job, plan: dict[str, Any]) -> None:
     ``europa import-hf`` reads the same layout for the bytes each rank would read."""
 
 
+@hookspec
+def europa_search_levers(
+    config: Any, world_size: int, ranks_per_node: int, plan: dict[str, Any]
+) -> list[list[dict[str, Any]]] | None:
+    """The layout levers this plugin offers ``europa plan --search`` (all run). Every
+    installed plugin is asked, enabled or not, as for a declaration.
+
+    A list of levers; a lever is a list of alternatives, one of which each searched
+    layout takes; an alternative is ``{"plugins": [names to enable], "set": {"table.key":
+    value}}`` (plain Python values, as a TOML ``--set`` would give). Say "without this
+    plugin" as an alternative with no plugins. ``config`` is the user's resolved config
+    (leave alone what it fixes that changes the model); ``plan`` holds
+    ``parameter_shapes``, ``parameter_itemsize``, ``hardware`` (the profile's keys) and
+    ``device_bytes_per_rank``, for a plugin to leave out alternatives that cannot fit.
+    Core plans the product of every plugin's levers and its own; a combination that the
+    config rules or a plugin refuse is skipped, not reported."""
+
+
 # --------------------------------------------------------------------------------------
 # cli
 # --------------------------------------------------------------------------------------

@@ -16,9 +16,10 @@ def open_session(
     overrides: Sequence[str] = (),
     plugins: Sequence[str] = (),
     manager: EuropaPluginManager | None = None,
+    cross_field_rules: bool = True,
 ) -> tuple[EuropaConfig, EuropaPluginManager]:
     """Load plugins, resolve the config against every declared table, switch on
-    the plugins the config names."""
+    the plugins the config names (``cross_field_rules``: see ``build_config``)."""
     manager = manager or EuropaPluginManager()
     config = load_config(
         source,
@@ -26,6 +27,7 @@ def open_session(
         plugins,
         sections=manager.config_sections(),
         builtin_owners=manager.builtin_owners(),
+        cross_field_rules=cross_field_rules,
     )
     manager.enable(config.plugins.enabled)
     return config, manager

@@ -12,6 +12,10 @@ local parameters and gather units), for other plugins that want to read it.
 
 from __future__ import annotations
 
+import copy
+import functools
+import itertools
+import math
 import sys
 from dataclasses import dataclass, field
 
@@ -34,7 +38,8 @@ class FlexShardConfig:
         default="float32",
         metadata={
             "choices": ("float32", "bfloat16"),
-            "doc": "dtype of the gradient reduce-scatter in bfloat16 runs",
+            "doc": "dtype of every gradient reduction in bfloat16 runs: the reduce-scatter, "
+            "and the once-a-step sums over replicas and over expert copies",
         },
     )
     log_plan: bool = field(
@@ -243,17 +248,10 @@ def unit_of(name: str) -> str:
 
 @hookimpl
 def europa_plan(job, plan):
-    """Replace ``plan["layout"]`` (europa-core's planner reads it; its keys are
-    documented in ``europa.core.plan.layout``) with this package's own ownership
-    plan, and add ``plan["flexshard"]``: the ownership summary and the bytes
-    communicated inside ``optimizer.step()`` (none). Reads
+    """Replace ``plan["layout"]`` with FlexShard's whole-matrix ownership, from
     ``plan["parameter_shapes"]`` ({name: shape}) and ``plan["world_size"]``.
     With ``parallel.ep > 1`` the 3-D parameters (the routed experts) are split
     over ``ep`` and stay resident, and tokens travel by all-to-all."""
-    from europa.flexshard.experts import expert_stack
-    from europa.flexshard.layout import orthogonalised_by_default
-    from europa.flexshard.plan import ParameterSpec, plan_ownership
-
     cfg = job.config
     parallel = cfg.parallel
     ep = parallel.ep
@@ -261,16 +259,55 @@ def europa_plan(job, plan):
     _check_dense_group(job, shard_ranks)
     if cfg.section(NAME).dense_group == "node":
         shard_ranks = min(shard_ranks, ranks_per_node(job))
-    itemsize = plan.get("parameter_itemsize", 4)
-    shapes = {name: tuple(shape) for name, shape in plan["parameter_shapes"].items()}
-    routed = {name for name, shape in shapes.items() if ep > 1 and len(shape) == 3}
+    shapes = tuple((name, tuple(shape)) for name, shape in plan["parameter_shapes"].items())
+    layout, summary, moe_layers = owned_layout(
+        shapes, shard_ranks, ep, cfg.optimizer.name == "muon", plan.get("parameter_itemsize", 4)
+    )
+    if moe_layers:
+        exchange = planned_exchange(job, moe_layers)
+        a2a = exchange["bytes_per_step_by_link"]
+        layout["expert_all_to_all_bytes_per_step"] = sum(a2a.values())
+        layout["expert_all_to_all_bytes_by_link"] = a2a
+        layout["expert_kept_bytes_per_moe_block"] = exchange["kept_bytes_per_moe_block"]
+        summary["expert_all_to_all_bytes_per_rank_per_step"] = sum(a2a.values())
+        summary["expert_exchange"] = exchange
+    # The copies of each share (replicas, other nodes) and of each expert (ranks with the
+    # same ep index: dp_replicate × dp_shard) sum their gradients once a step, after the
+    # last backward: nothing runs beside those all-reduces.
+    once_a_step = {"per_micro_batch": False, "overlappable": False}
+    layout["expert_copies"] |= {"group_size": plan["world_size"] // ep} | once_a_step
+    layout["replica_group"] = {
+        "size": plan["world_size"] // shard_ranks,
+        "stride": shard_ranks,
+    } | once_a_step
+    bf16 = cfg.training.dtype == "bfloat16"
+    layout["reduce_itemsize"] = 2 if bf16 and cfg.section(NAME).reduce_dtype == "bfloat16" else 4
+    plan["layout"] = layout
+    plan[NAME] = summary
+
+
+def owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
+    """(``plan["layout"]`` without the exchange terms, the ownership summary, the number of
+    MoE layers) for parameters ``shapes`` ((name, shape) pairs in model order). Pure, and
+    the costly part of a plan (a loop over every rank for every matrix), so ``europa plan
+    --search`` reuses it across the layouts that share it; callers get their own copy."""
+    layout, summary, moe_layers = _owned_layout(shapes, shard_ranks, ep, muon, itemsize)
+    return copy.deepcopy(layout), copy.deepcopy(summary), moe_layers
+
+
+@functools.lru_cache(maxsize=32)
+def _owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
+    from europa.flexshard.experts import expert_stack
+    from europa.flexshard.layout import orthogonalised_by_default
+    from europa.flexshard.plan import ParameterSpec, plan_ownership
+
+    routed = {name for name, shape in shapes if ep > 1 and len(shape) == 3}
     specs = [
         ParameterSpec(name, shape, itemsize, unit_of(name), orthogonalised_by_default(name, shape))
-        for name, shape in shapes.items()
+        for name, shape in shapes
         if name not in routed
     ]
     ownership = plan_ownership(specs, shard_ranks)
-    muon = cfg.optimizer.name == "muon"
     layout = _OwnedElements(shard_ranks, orthogonalised_by_default if muon else None)
     for spec in specs:
         layout.add(spec, ownership.counts(spec.name), lambda r: r)
@@ -280,36 +317,67 @@ def europa_plan(job, plan):
     summary = ownership.summary()
     summary = {k: v for k, v in summary.items() if not isinstance(v, list)}
     summary["optimizer_step_bytes_communicated"] = 0
-    a2a: dict[str, int] = {}
-    if routed:
-        stacks: dict[str, list[tuple[int, ...]]] = {}  # in model order, as at run time
-        for name, shape in shapes.items():
-            if name in routed:
-                # torchtitan's stacks live in <module>.inner_experts; plan per <module>
-                module = name.rpartition(".")[0].removesuffix(".inner_experts")
-                stacks.setdefault(module, []).append(shape)
+    stacks: dict[str, list[tuple[int, ...]]] = {}  # in model order, as at run time
+    for name, shape in shapes:
+        if name in routed:
+            # torchtitan's stacks live in <module>.inner_experts; plan per <module>
+            module = name.rpartition(".")[0].removesuffix(".inner_experts")
+            stacks.setdefault(module, []).append(shape)
+    if stacks:
         expert_specs = [expert_stack(module, s, itemsize) for module, s in stacks.items()]
         experts = plan_ownership(expert_specs, ep)
         # The shard group is [dp_shard, ep] flattened: rank r holds ep rank r % ep's experts.
         for spec, module in zip(expert_specs, stacks, strict=True):
             tensors = len(stacks[module])  # w1, w2, w3: each its own optimizer state
             layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors, expert=True)
-        exchange = planned_exchange(job, len(stacks))
-        a2a = exchange["bytes_per_step_by_link"]
         summary["routed_expert_bytes_per_rank_max"] = max(experts.rank_bytes())
-        summary["expert_all_to_all_bytes_per_rank_per_step"] = sum(a2a.values())
-        summary["expert_exchange"] = exchange
-    copies = plan["world_size"] // ep  # ranks holding the same experts: dp_replicate × dp_shard
-    plan["layout"] = layout.as_plan(units, a2a, ep, copies)
-    # The copies of each share (replicas, other nodes) sum their gradients once a step.
-    plan["layout"]["replica_group"] = {
-        "size": plan["world_size"] // shard_ranks,
-        "stride": shard_ranks,
-        "per_micro_batch": False,
-    }
-    if routed:
-        plan["layout"]["expert_kept_bytes_per_moe_block"] = exchange["kept_bytes_per_moe_block"]
-    plan[NAME] = summary
+    return layout.as_plan(units, {}, ep, 1), summary, len(stacks)
+
+
+@hookimpl
+def europa_search_levers(config, world_size, ranks_per_node, plan):
+    """One lever: core's own layout (no ``ep``), or FlexShard with each ``ep`` whose
+    resident experts can fit, each dense group, each gradient-reduction dtype (bf16 runs),
+    and with ``ep`` each payload dtype and kept exchanges or not (the config rules refuse
+    kept exchanges without recomputation). Node-limited routing changes the model, so it
+    stays as the config has it."""
+    per_replica = world_size // config.parallel.dp_replicate
+    per_node = min(ranks_per_node or world_size, world_size)
+    dense_groups = ("all", "node") if per_replica > per_node else ("all",)
+    payloads = ["compute", "float8_e4m3fn"]
+    reductions = ["float32"]
+    if config.training.dtype == "bfloat16":
+        reductions.append("bfloat16")
+    else:
+        payloads.insert(1, "bfloat16")
+    alternatives: list[dict] = [{"plugins": [], "set": {"parallel.ep": 1}}]
+    for ep in range(1, min(per_replica, config.model.num_experts) + 1):
+        if per_replica % ep or not _experts_can_fit(plan, ep):
+            continue
+        for dense, reduce in itertools.product(dense_groups, reductions):
+            base = {"parallel.ep": ep, f"{NAME}.dense_group": dense,
+                    f"{NAME}.reduce_dtype": reduce}  # fmt: skip
+            if ep == 1:
+                alternatives.append({"plugins": [NAME], "set": base})
+                continue
+            for payload, keep in itertools.product(payloads, (False, True)):
+                levers = {"parallel.ep_dispatch_dtype": payload,
+                          "parallel.ep_keep_exchanges": keep}  # fmt: skip
+                alternatives.append({"plugins": [NAME], "set": base | levers})
+    return [alternatives]
+
+
+def _experts_can_fit(plan, ep: int) -> bool:
+    """Whether the mean rank's routed experts, parameters and gradients (which stay on the
+    device whatever is offloaded), fit its device memory: a bound (the most loaded rank
+    holds at least the mean), so a layout it leaves out could never fit."""
+    shapes = [shape for shape in plan["parameter_shapes"].values() if len(shape) == 3]
+    if not shapes or ep == 1:
+        return True
+    experts = shapes[0][0]
+    per_expert = sum(math.prod(shape[1:]) for shape in shapes)
+    resident = experts * per_expert * 2 * plan["parameter_itemsize"] / ep
+    return resident <= plan["device_bytes_per_rank"]
 
 
 def planned_exchange(job, moe_layers: int) -> dict:

@@ -151,6 +151,18 @@ def europa_after_step(job, step, metrics):
 
 
 @hookimpl
+def europa_search_levers(config, world_size, ranks_per_node, plan):
+    """One lever: nothing offloaded, the saved activations, the optimizer state, or both."""
+
+    def offload(activations: bool, optimizer_state: bool) -> dict:
+        return {"plugins": [NAME], "set": {f"{NAME}.activations": activations,
+                                           f"{NAME}.optimizer_state": optimizer_state}}  # fmt: skip
+
+    return [[{"plugins": [], "set": {}}, offload(True, False), offload(False, True),
+             offload(True, True)]]  # fmt: skip
+
+
+@hookimpl
 def europa_plan(job, plan):
     """Fill ``plan["host_offload"]`` (europa-core's planner reads it: which blocks'
     saved tensors move, the size threshold, whether optimizer state lives in

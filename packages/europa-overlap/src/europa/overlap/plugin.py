@@ -183,6 +183,12 @@ def europa_after_step(job, step, metrics):
 
 
 @hookimpl
+def europa_search_levers(config, world_size, ranks_per_node, plan):
+    """One lever: communication as the layout schedules it, or hidden behind compute."""
+    return [[{"plugins": [], "set": {}}, {"plugins": [NAME], "set": {}}]]
+
+
+@hookimpl
 def europa_plan(job, plan):
     """Add ``plan["overlapped_kinds"]`` (europa-core's planner hides these kinds behind
     compute): the layout's own plus the expert all-to-all (with ``expert_chunks``) and

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import typing
 from collections.abc import Iterable, Sequence
 from importlib import resources
@@ -126,11 +127,17 @@ def _apply_override(
     table[path[1]] = value
 
 
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    """A table's field types, resolved once (a search resolves thousands of configs)."""
+    return typing.get_type_hints(schema)
+
+
 def _build_section(section: ConfigSection, table: Any, sections: Sequence[ConfigSection]) -> Any:
     if not isinstance(table, dict):
         raise fail(section.name, table, "a table")
     fields = {f.name: f for f in dataclasses.fields(section.schema)}
-    hints = typing.get_type_hints(section.schema)
+    hints = _type_hints(section.schema)
     for name, value in table.items():
         if name not in fields:
             raise _unknown(f"{section.name}.{name}", value, sections)
@@ -148,8 +155,11 @@ def build_config(
     raw: dict[str, Any],
     sections: Sequence[ConfigSection] = CORE_SECTIONS,
     builtin_owners: Iterable[str] = (CORE_OWNER,),
+    cross_field_rules: bool = True,
 ) -> EuropaConfig:
-    """Type and check a merged raw mapping (preset already applied)."""
+    """Type and check a merged raw mapping (preset already applied); without
+    ``cross_field_rules``, each key is checked alone (``europa plan --search`` starts from
+    a config whose layout keys it is about to replace)."""
     tables = {s.name: s for s in sections}
     for name in raw:
         if name != "preset" and name not in tables:
@@ -172,7 +182,8 @@ def build_config(
         },
     )
     _check_plugin_tables(config, raw, sections, set(builtin_owners))
-    check_cross_field_rules(config)
+    if cross_field_rules:
+        check_cross_field_rules(config)
     return config
 
 
@@ -228,9 +239,10 @@ def load_config(
     plugins: Sequence[str] = (),
     sections: Sequence[ConfigSection] = CORE_SECTIONS,
     builtin_owners: Iterable[str] = (CORE_OWNER,),
+    cross_field_rules: bool = True,
 ) -> EuropaConfig:
     raw = resolve_raw(source, overrides, plugins, sections)
-    return build_config(raw, sections, builtin_owners)
+    return build_config(raw, sections, builtin_owners, cross_field_rules)
 
 
 def config_to_dict(config: EuropaConfig) -> dict[str, Any]:

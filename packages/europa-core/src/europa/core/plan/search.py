@@ -1,17 +1,232 @@
-"""``europa plan --search``: the largest micro-batch that fits the ranks given,
-or, when the config does not fit at all, the smallest replica (whole nodes)
-that fits it at the micro-batch given."""
+"""``europa plan --search``: the fastest layouts that fit an allocation, for the same
+global batch.
+
+The levers are core's own (activation checkpointing; micro-batch and gradient
+accumulation at the same tokens per step) and every installed plugin's
+(``europa_search_levers``: europa-flexshard's ``ep``, dense group and exchange
+levers, europa-offload's, europa-overlap's). The search plans their product. Each
+combination is resolved exactly as the command line it prints would be (the
+user's config and ``--set``, then the combination's ``-p`` and ``--set``), so a
+proposal is reproduced by its arguments; a combination the config rules or a
+plugin refuse is not a layout and is skipped. Ranking is by planned step time (a
+prediction, with overlap where the layout enables it), then device memory.
+
+When no layout fits, the search says so and looks for the smallest replica
+(whole nodes) that fits the config as given.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import json
 import math
-from collections.abc import Callable
+import shlex
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from europa.core.config.schema import EuropaConfig
 from europa.core.plan.planner import Plan
+from europa.core.session import open_session
 
 MAX_DOUBLINGS = 24
+SHOWN = 5
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One searched layout: the arguments that give it and its plan."""
+
+    plugins: tuple[str, ...]
+    sets: tuple[tuple[str, Any], ...]  # (dotted key, value) the search chose
+    plan: Plan
+
+    @property
+    def step(self):
+        p = self.plan
+        return p.with_overlap if p.overlap_enabled else p.without_overlap
+
+    def overrides(self) -> list[str]:
+        return [f"{key}={toml_value(value)}" for key, value in self.sets]
+
+    def arguments(self, base: EuropaConfig, defaults: dict[str, Any]) -> str:
+        """``-p`` for every plugin it enables, ``--set`` for what differs from ``base`` (or,
+        for a table ``base`` does not enable, from the table's ``defaults``)."""
+        words = [f"-p {name}" for name in self.plugins]
+        if not set(base.plugins.enabled) <= set(self.plugins):  # a plugin the config enables
+            words.append(f"--set {shlex.quote(f'plugins.enabled={json.dumps([])}')}")
+        for key, value in self.sets:
+            if _value_in(base, key, defaults) != value:
+                words.append(f"--set {shlex.quote(f'{key}={toml_value(value)}')}")
+        return " ".join(words)
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    proposals: list[Proposal]  # the ones that fit, fastest first
+    planned: int  # layouts planned (fitting or not)
+    skipped: int  # combinations the rules or a plugin refused
+    seconds: float
+    base: EuropaConfig
+    defaults: dict[str, Any]  # every installed table's, by "table.key"
+
+    def arguments(self, proposal: Proposal) -> str:
+        return proposal.arguments(self.base, self.defaults)
+
+    def note(self, world_size: int, hardware: str) -> str:
+        return (
+            f"search: {self.planned} layout(s) planned for {world_size} rank(s) on {hardware} "
+            f"in {self.seconds:.1f} s, {len(self.proposals)} fit ({self.skipped} combination(s) "
+            "refused by the config rules were skipped)"
+        )
+
+
+def toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)
+    return str(value)
+
+
+def _value_in(config: EuropaConfig, key: str, defaults: dict[str, Any]) -> Any:
+    table, _, name = key.rpartition(".")
+    if table in config.extensions or table in {f.name for f in dataclasses.fields(config)}:
+        return getattr(config.section(table), name)
+    return defaults.get(key)  # a table of a plugin the config does not enable
+
+
+def table_defaults(manager) -> dict[str, Any]:
+    """``{"table.key": default}`` for every installed table."""
+    out = {}
+    for section in manager.config_sections():
+        for f in dataclasses.fields(section.schema):
+            if f.default is not dataclasses.MISSING:
+                out[f"{section.name}.{f.name}"] = f.default
+    return out
+
+
+def core_levers(config: EuropaConfig) -> list[list[dict[str, Any]]]:
+    """Activation checkpointing, and every micro-batch × accumulation with the config's
+    sequences per rank and step."""
+    training = config.training
+    sequences = training.batch_size * training.grad_accum_steps
+    batches = [b for b in range(1, sequences + 1) if sequences % b == 0]
+    return [
+        [{"plugins": [], "set": {"activation_checkpointing.mode": m}} for m in ("none", "full")],
+        [
+            {"plugins": [], "set": {"training.batch_size": b, "training.grad_accum_steps": n}}
+            for b, n in ((b, sequences // b) for b in reversed(batches))
+        ],
+    ]
+
+
+def _combine(alternatives: Sequence[dict[str, Any]]) -> tuple[list[str], dict[str, Any]] | None:
+    """The plugins and settings of one combination; None when two levers disagree."""
+    plugins: list[str] = []
+    sets: dict[str, Any] = {}
+    for alternative in alternatives:
+        plugins += [p for p in alternative["plugins"] if p not in plugins]
+        for key, value in alternative["set"].items():
+            if sets.get(key, value) != value:
+                return None
+            sets[key] = value
+    return plugins, sets
+
+
+def search_layouts(
+    *,
+    source,
+    overrides: Sequence[str],
+    plugins: Sequence[str],
+    manager,
+    plan_for: Callable[[EuropaConfig, Any], Plan],
+    world_size: int,
+    ranks_per_node: int,
+    plan_inputs: dict[str, Any],
+) -> SearchResult:
+    """Every combination of the levers, planned; ``plan_for(config, manager)`` plans a
+    resolved config with the plugins it enables."""
+    started = time.perf_counter()
+    base, _ = open_session(source, overrides, plugins, manager, cross_field_rules=False)
+    levers = core_levers(base)
+    for plugin_levers in manager.all_hooks.europa_search_levers(
+        config=base, world_size=world_size, ranks_per_node=ranks_per_node, plan=plan_inputs
+    ):
+        levers += plugin_levers or []
+    searched = {p for lever in levers for alternative in lever for p in alternative["plugins"]}
+    kept = [p for p in plugins if p not in searched]
+    proposals: list[Proposal] = []
+    planned = skipped = 0
+    for combination in itertools.product(*levers):
+        combined = _combine(combination)
+        if combined is None:
+            continue
+        enabled, sets = combined
+        chosen = tuple(kept + sorted(enabled))
+        settings = [*overrides, *(f"{k}={toml_value(v)}" for k, v in sets.items()),
+                    f"plugins.enabled={json.dumps(list(chosen))}"]  # fmt: skip
+        try:
+            config, _ = open_session(source, settings, (), manager)
+            plan = plan_for(config, manager)
+        except Exception as err:
+            if not getattr(err, "europa_user_error", False):
+                raise
+            skipped += 1
+            continue
+        planned += 1
+        if plan.fits:
+            proposals.append(Proposal(chosen, tuple(sets.items()), plan))
+    defaults = table_defaults(manager)
+    # Fastest first; then the least memory; then the fewest changes to the command.
+    proposals.sort(key=lambda p: (round(p.step.step_s, 9), p.plan.device_total,
+                                  len(p.arguments(base, defaults))))  # fmt: skip
+    manager.enable(base.plugins.enabled)  # as the user's own config left it
+    return SearchResult(proposals, planned, skipped, time.perf_counter() - started, base,
+                        defaults)  # fmt: skip
+
+
+def proposals_json(result: SearchResult, shown: int = SHOWN) -> list[dict[str, Any]]:
+    return [
+        {
+            "arguments": result.arguments(p),
+            "plugins": list(p.plugins),
+            "set": p.overrides(),
+            "step_s": p.step.step_s,
+            "exposed_communication_s": p.step.exposed_s,
+            "mfu": p.step.mfu,
+            "device_bytes": p.plan.device_total,
+            "device_capacity": p.plan.device_capacity,
+            "host_bytes": p.plan.host_total,
+            "host_capacity": p.plan.host_capacity,
+        }
+        for p in result.proposals[:shown]
+    ]
+
+
+def proposals_table(result: SearchResult, shown: int = SHOWN) -> str:
+    from europa.core.units import human
+
+    lines = [
+        f"the fastest {min(shown, len(result.proposals))} that fit (planned, not measured); "
+        "each line's -p replaces the command's, its --set adds to the command's:",
+        f"  {'#':>2}  {'step':>8}  {'MFU':>6}  {'exposed':>8}  {'device':>21}  {'host':>21}",
+    ]
+    for i, p in enumerate(result.proposals[:shown], 1):
+        plan = p.plan
+        lines.append(
+            f"  {i:>2}  {p.step.step_s:>6.3g} s  {p.step.mfu * 100:>5.1f}%  "
+            f"{p.step.exposed_s:>6.3g} s  "
+            f"{human(plan.device_total) + ' / ' + human(plan.device_capacity):>21}  "
+            f"{human(plan.host_total) + ' / ' + human(plan.host_capacity):>21}"
+        )
+        lines.append(f"      {result.arguments(p) or '(the command as it is)'}")
+    return "\n".join(lines)
+
+
+# -- no layout fits: the smallest replica that fits the config as given -------------------
 
 
 def _first_failing(holds: Callable[[int], bool], start: int) -> int | None:
@@ -30,12 +245,6 @@ def _first_failing(holds: Callable[[int], bool], start: int) -> int | None:
     return high
 
 
-def _largest(fits: Callable[[int], bool], start: int) -> int:
-    """The largest n >= start with fits(n), given fits(start)."""
-    failing = _first_failing(fits, start)
-    return start * 2**MAX_DOUBLINGS if failing is None else failing - 1
-
-
 def _smallest(fits: Callable[[int], bool], start: int) -> int | None:
     """The smallest n >= start with fits(n), or None within the search limit."""
     if fits(start):
@@ -49,24 +258,10 @@ def with_batch(config: EuropaConfig, batch: int) -> EuropaConfig:
     )
 
 
-def search(
-    config: EuropaConfig,
-    plan_for: Callable[[EuropaConfig, int], Plan],
-    world_size: int,
-    gpus_per_node: int,
-) -> tuple[Plan, str]:
-    """The plan found and one line saying what was searched."""
-    plan = plan_for(config, world_size)
-    if plan.fits:
-        batch = _largest(
-            lambda b: plan_for(with_batch(config, b), world_size).fits,
-            config.training.batch_size,
-        )
-        found = plan_for(with_batch(config, batch), world_size)
-        return found, (
-            f"search: the largest micro-batch that fits {world_size} rank(s) is {batch} "
-            f"sequence(s) of {config.training.seq_len} tokens per rank"
-        )
+def smallest_replica(
+    config: EuropaConfig, plan_for: Callable[[EuropaConfig, int], Plan], gpus_per_node: int
+) -> tuple[Plan | None, str]:
+    """The plan on the smallest replica (whole nodes) that fits ``config``, and one line."""
     replicas = config.parallel.dp_replicate
     node_step = math.lcm(gpus_per_node, config.parallel.ep)
 
@@ -75,11 +270,10 @@ def search(
 
     units = _smallest(fits, 1)
     if units is None:
-        return plan, "search: no replica size up to the search limit fits this config"
-    found = plan_for(config, replicas * units * node_step)
+        return None, "search: no replica size up to the search limit fits this config"
     per_replica = units * node_step
-    return found, (
-        f"search: the smallest replica that fits is {per_replica} GPU(s) "
+    return plan_for(config, replicas * per_replica), (
+        f"search: the smallest replica that fits the config as given is {per_replica} GPU(s) "
         f"({per_replica / gpus_per_node:g} node(s)), {replicas} replica(s): "
         f"{replicas * per_replica} GPU(s) in all"
     )
