@@ -23,13 +23,15 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         plugin: PluginOpt = None,
         set_: SetOpt = None,
         hardware: Annotated[
-            str,
+            str | None,
             typer.Option(
                 "--hardware",
                 metavar="NAME|PATH.toml",
-                help="gh200-jupiter, h100-sxm, h200, cpu, or your own TOML profile.",
+                help="gh200-jupiter (the default), h100-sxm, h200, cpu, or your own TOML "
+                "profile; with --measure-hardware, what is not measured comes from it "
+                "(default: the shipped profile nearest this machine).",
             ),
-        ] = "gh200-jupiter",
+        ] = None,
         nodes: Annotated[
             int | None, typer.Option("--nodes", min=1, help="Nodes in all (GPUs from the profile).")
         ] = None,
@@ -45,18 +47,39 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             bool,
             typer.Option(
                 "--search",
-                help="Find the largest micro-batch that fits, or the smallest replica if none.",
+                help="Plan every layout of the ranks given (ep, dense group, micro-batch, "
+                "recomputation, offload, overlap, exchange levers) at the same global batch and "
+                "print the fastest 5 that fit, with their -p/--set; if none fits, the smallest "
+                "replica that fits the config as given.",
             ),
         ] = False,
+        measure_hardware: Annotated[
+            bool,
+            typer.Option(
+                "--measure-hardware",
+                help="Measure this machine (matmul rates at the model's shapes, collectives "
+                "within and across nodes, host-device copies) on parallel.nproc ranks, or the "
+                "launcher's, and print or --out a profile with the keys of --hardware's.",
+            ),
+        ] = False,
+        out: Annotated[
+            str | None,
+            typer.Option("--out", metavar="PATH.toml", help="Where --measure-hardware writes."),
+        ] = None,
     ) -> None:
         """Memory, communication and step time per rank, from the model on the meta device.
         Exit status: 0 fits, 1 does not fit, 2 bad input."""
         from europa.core.plan import load_profile, make_plan
         from europa.core.plan.report import plan_json, plan_table
-        from europa.core.plan.search import search as search_plan
 
-        profile = load_profile(hardware)
         overrides = list(set_ or [])
+        if out is not None and not measure_hardware:
+            raise ConfigError(f"--out = {out!r}: expected only with --measure-hardware")
+        if measure_hardware:
+            base = hardware or _nearest_shipped_profile()
+            _measure(config, overrides, plugin or [], manager, load_profile(base), base, out)
+            return
+        profile = load_profile(hardware or "gh200-jupiter")
         if nodes is not None and (replicas or gpus_per_replica):
             raise ConfigError(
                 "--nodes: expected either --nodes or --replicas/--gpus-per-replica, not both"
@@ -67,7 +90,9 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             )
         if replicas is not None:
             overrides += [f"parallel.dp_replicate={replicas}", "parallel.dp_shard=-1"]
-        resolved, plugins = open_session(config, overrides, plugin or [], manager)
+        # A search replaces the layout keys, so the rules between keys wait for its layouts.
+        resolved, plugins = open_session(config, overrides, plugin or [], manager,
+                                         cross_field_rules=not search)  # fmt: skip
         if replicas is not None:
             world = replicas * gpus_per_replica
         elif nodes is not None:
@@ -76,28 +101,105 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             world = resolved.parallel.nproc
         from europa.core.job import Job
 
+        shaped = resolved
+        if search:  # the routing groups a layout gives the router change no parameter shape
+            shaped = dataclasses.replace(
+                resolved,
+                parallel=dataclasses.replace(resolved.parallel, ep=1, ep_max_nodes_per_token=0),
+            )
         model = plugins.hook.europa_build_model(
             job=Job(
-                config=resolved, run_dir=".", world_size=world, ranks_per_node=profile.gpus_per_node
+                config=shaped, run_dir=".", world_size=world, ranks_per_node=profile.gpus_per_node
             )
         )
 
         def plan_for(cfg, ranks):
             return make_plan(cfg, plugins, profile, ranks, model=model)
 
-        note = None
-        if search:
-            searchable = dataclasses.replace(
-                resolved, parallel=dataclasses.replace(resolved.parallel, dp_shard=-1)
-            )
-            plan, note = search_plan(searchable, plan_for, world, profile.gpus_per_node)
-        else:
+        if not search:
             plan = plan_for(resolved, world)
-        if as_json:
-            print(json.dumps(plan_json(plan) | ({"search": note} if note else {}), indent=2))
+            print(json.dumps(plan_json(plan), indent=2) if as_json else plan_table(plan))
         else:
-            print(plan_table(plan))
-            if note:
-                print(note)
+            plan = _search(config, overrides, plugin or [], manager, resolved, profile, world,
+                           model, plan_for, as_json)  # fmt: skip
         if not plan.fits:
             raise typer.Exit(DOES_NOT_FIT)
+
+
+def _search(source, overrides, plugins, manager, resolved, profile, world, model, plan_for,
+            as_json):  # fmt: skip
+    """``--search``: the fastest layouts that fit, printed; the best plan (or, when none
+    fits, the smallest replica's for the config as given)."""
+    from europa.core.plan import make_plan
+    from europa.core.plan.report import plan_json, plan_table
+    from europa.core.plan.search import (
+        proposals_json,
+        proposals_table,
+        search_layouts,
+        smallest_replica,
+    )
+    from europa.core.plan.shapes import ModelShapes
+
+    per_node = resolved.parallel.ranks_per_node or profile.gpus_per_node
+    result = search_layouts(
+        source=source,
+        overrides=overrides,
+        plugins=plugins,
+        manager=manager,
+        plan_for=lambda cfg, mgr: make_plan(cfg, mgr, profile, world, model=model),
+        world_size=world,
+        ranks_per_node=per_node,
+        plan_inputs={
+            "parameter_shapes": ModelShapes.of(model).as_dict(),
+            "parameter_itemsize": 4,
+            "hardware": profile.as_dict(),
+            "device_bytes_per_rank": profile.device_bytes_per_rank(min(world, per_node)),
+        },
+    )
+    note = result.note(world, profile.name)
+    if result.proposals:
+        plan = result.proposals[0].plan
+        found = {"note": note, "proposals": proposals_json(result)}
+        if as_json:
+            print(json.dumps(plan_json(plan) | {"search": found}, indent=2))
+        else:
+            print(plan_table(plan))
+            print(note)
+            print(proposals_table(result))
+        return plan
+    searchable = dataclasses.replace(
+        resolved, parallel=dataclasses.replace(resolved.parallel, dp_shard=-1)
+    )
+    found_plan, replica_note = smallest_replica(searchable, plan_for, profile.gpus_per_node)
+    plan = found_plan or plan_for(resolved, world)
+    note = f"{note}; {replica_note}"
+    if as_json:
+        print(json.dumps(plan_json(plan) | {"search": {"note": note, "proposals": []}}, indent=2))
+    else:
+        print(plan_table(plan))
+        print(note)
+    return plan
+
+
+def _measure(source, overrides, plugins, manager, base, hardware, out) -> None:
+    import shlex
+    import sys
+    from pathlib import Path
+
+    from europa.core.plan.measure import run_measurement
+
+    if out is not None and (not out.endswith(".toml") or not Path(out).parent.is_dir()):
+        raise ConfigError(f"--out = {out!r}: expected a .toml path in an existing folder")
+    config, _ = open_session(source, overrides, plugins, manager)
+    command = " ".join(["europa", *map(shlex.quote, sys.argv[1:])])
+    command += f"  (what it does not measure: profile {hardware})"
+    run_measurement(config, base, out, command)
+
+
+def _nearest_shipped_profile() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name()
+    return "gh200-jupiter" if "GH200" in name else "h200" if "H200" in name else "h100-sxm"

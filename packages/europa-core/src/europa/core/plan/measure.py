@@ -1,0 +1,402 @@
+"""``europa plan --measure-hardware``: a hardware profile measured on the machine it runs on.
+
+Design note. A shipped profile holds vendor peaks and the share of them a step gets
+(the efficiencies). A measured one holds the same keys, from runs here:
+
+* ``peak_tflops[dtype]``: the best matrix-multiply rate seen, a large square one or
+  one of the model's own GEMM shapes (every distinct ``tokens × in → out`` product of
+  one micro-batch; their weighted rate is printed beside the profile);
+  ``matmul_efficiency``: the model's own forward and backward on one micro-batch
+  (model FLOPs over its time, no communication) against that peak, in the training
+  dtype. So the attention, the elementwise work and the per-layer Python cost of the
+  step are in it, as the planner's compute time needs them.
+* per link, ``*_gbps``: the best bandwidth of all-gather, reduce-scatter and
+  all-to-all at large messages (bytes sent per rank, as ``europa.core.plan.traffic``
+  counts them); ``*_efficiency``: their mean at the sizes one step sends (a block's
+  gather, its gradient reduce-scatter, one MoE layer's token exchange) over it.
+  ``intra_node`` is measured among the ranks of this node; ``inter_node`` among one
+  rank per node when the launcher started several nodes, else kept from the base
+  profile (and the file says so).
+* ``host_device_gbps``: pinned host-to-device and back on CUDA, a copy between two
+  host buffers on CPU.
+
+Every rank takes part in the collectives; rank 0 writes the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from europa.core.plan.hardware import HardwareProfile
+from europa.core.plan.shapes import ModelShapes
+from europa.core.units import GIB
+
+MIN_SECONDS = 0.2  # each figure: repeated until this long, at least twice
+LARGE_MESSAGE = 64 << 20
+LARGE_GEMM = {"cpu": 1024, "cuda": 8192}
+WHOLE_MODEL_PARAMETERS = 2_000_000_000
+
+
+@dataclass
+class Measured:
+    """Raw figures, for the JSON printed beside the profile."""
+
+    gemm_tflops: dict[str, dict[str, float]] = field(default_factory=dict)  # dtype -> {...}
+    model_step: dict[str, float] = field(default_factory=dict)
+    links: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
+    host_device_gbps: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def timed(fn: Callable[[], None], sync: Callable[[], None], group=None) -> float:
+    """Median seconds of ``fn`` over repeats lasting at least ``MIN_SECONDS``. With a
+    ``group`` (``fn`` a collective) its ranks agree on the count: the most any needs."""
+    fn()
+    sync()  # warm-up
+    start = time.perf_counter()
+    fn()
+    sync()
+    times = [time.perf_counter() - start]
+    repeats = torch.tensor([max(2, math.ceil(MIN_SECONDS / max(times[0], 1e-9)))])
+    if group is not None:
+        dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)
+    for _ in range(int(repeats) - 1):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def model_gemms(shapes: ModelShapes, tokens: int, top_k: int, experts: int) -> dict:
+    """``{(rows, in, out): count}`` of one micro-batch's forward products: 2-D weights
+    ``[out, in]`` over every token (not the embedding lookup), each routed expert's 3-D
+    stack over the tokens one expert receives on average."""
+    gemms: dict[tuple[int, int, int], int] = {}
+    for p in shapes.parameters:
+        if len(p.shape) == 2 and "tok_embeddings" not in p.name and min(p.shape) > 1:
+            key = (tokens, p.shape[1], p.shape[0])
+            gemms[key] = gemms.get(key, 0) + 1
+        elif len(p.shape) == 3:
+            rows = max(1, tokens * top_k // experts)
+            key = (rows, p.shape[2], p.shape[1])
+            gemms[key] = gemms.get(key, 0) + p.shape[0]
+    return gemms
+
+
+def gemm_rate(rows: int, inner: int, out: int, dtype, device, sync) -> float:
+    a = torch.randn(rows, inner, dtype=dtype, device=device)
+    b = torch.randn(inner, out, dtype=dtype, device=device)
+    seconds = timed(lambda: torch.mm(a, b), sync)
+    return 2 * rows * inner * out / seconds
+
+
+def measure_compute(gemms: dict, device, sync, dtypes: list[str]) -> dict:
+    """Per dtype: the large square GEMM's rate and the model shapes' weighted rate."""
+    out = {}
+    n = LARGE_GEMM[device.type]
+    for name in dtypes:
+        dtype = getattr(torch, name)
+        peak = gemm_rate(n, n, n, dtype, device, sync)
+        flops = seconds = 0.0
+        for (rows, inner, cols), count in gemms.items():
+            rate = gemm_rate(rows, inner, cols, dtype, device, sync)
+            peak = max(peak, rate)  # the best rate seen is the peak
+            flops += count * 2 * rows * inner * cols
+            seconds += count * 2 * rows * inner * cols / rate
+        model = flops / seconds if seconds else peak
+        out[name] = {"peak": peak / 1e12, "model_shapes": model / 1e12}
+    return out
+
+
+def measure_model_step(config, device, sync) -> dict[str, float]:
+    """The model's own forward and backward on one micro-batch of this rank, in the
+    training dtype, no communication: what its matrix multiplies, attention, elementwise
+    work and per-layer Python cost really run at. A model of more than
+    ``WHOLE_MODEL_PARAMETERS`` is timed with one dense and one MoE block only."""
+    import torch.nn.functional as F
+
+    from europa.core.model import build_moe_model
+    from europa.core.model.materialise import materialise
+    from europa.core.plan.timing import model_flops_per_token
+
+    m, training = config.model, config.training
+    model = build_moe_model(m)
+    if sum(p.numel() for p in model.parameters()) > WHOLE_MODEL_PARAMETERS:
+        m = dataclasses.replace(m, n_layers=min(m.n_layers, m.n_dense_layers + 1))
+        model = build_moe_model(m)
+    materialise(model, device, seed=0)
+    model.to(getattr(torch, training.dtype))
+    inputs = torch.randint(0, m.vocab_size, (training.batch_size, training.seq_len), device=device)
+
+    def step():
+        logits = model(inputs)
+        F.cross_entropy(logits.flatten(0, 1).float(), inputs.flatten()).backward()
+
+    seconds = timed(step, sync)
+    tokens = training.batch_size * training.seq_len
+    flops = model_flops_per_token(ModelShapes.of(model), m, training.seq_len) * tokens
+    return {"seconds": seconds, "tflops": flops / seconds / 1e12, "layers": m.n_layers}
+
+
+def _sent_per_rank(kind: str, nbytes: int, n: int) -> float:
+    return nbytes * (n - 1) / n  # ring all-gather / reduce-scatter, and all-to-all to others
+
+
+def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
+    """Bytes/s one rank sends in ``kind`` of a ``nbytes`` full tensor over ``group``."""
+    n = dist.get_world_size(group)
+    elements = max(n, nbytes // 4 // n * n)
+    full = torch.ones(elements, device=device)
+    piece = torch.ones(elements // n, device=device)
+    # torch 2.13's names; the GPU machines' older torch has only the earlier ones
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    if kind == "all_gather":
+
+        def run():
+            gather(full, piece, group=group)
+    elif kind == "reduce_scatter":
+
+        def run():
+            scatter(piece, full, group=group)
+    else:
+        received = torch.empty_like(full)
+
+        def run():
+            dist.all_to_all_single(received, full, group=group)
+
+    seconds = timed(run, lambda: (sync(), dist.barrier(group=group)), group)
+    return _sent_per_rank(kind, elements * 4, n) / seconds
+
+
+def measure_link(group, step_bytes: dict[str, int], device, sync) -> dict:
+    """Bandwidth (GB/s per rank) at a step's sizes and at a large message, per collective."""
+    out: dict[str, dict[str, float]] = {}
+    for kind, size in step_bytes.items():
+        out[kind] = {
+            "step_bytes": size,
+            "step_gbps": collective_bandwidth(kind, size, group, device, sync) / 1e9,
+            "large_gbps": collective_bandwidth(kind, LARGE_MESSAGE, group, device, sync) / 1e9,
+        }
+    return out
+
+
+def link_figures(measured: dict) -> tuple[float, float]:
+    """(the best large-message bandwidth, the mean step-size efficiency against it)."""
+    peak = max(m["large_gbps"] for m in measured.values())
+    peak = max(peak, *(m["step_gbps"] for m in measured.values()))
+    efficiency = statistics.mean(m["step_gbps"] for m in measured.values()) / peak
+    return peak, min(1.0, efficiency)
+
+
+def measure_host_device(device, sync) -> float:
+    nbytes = LARGE_MESSAGE
+    if device.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        there = timed(lambda: dev.copy_(host, non_blocking=True), sync)
+        back = timed(lambda: host.copy_(dev, non_blocking=True), sync)
+        return nbytes / statistics.mean([there, back]) / 1e9
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    b = torch.empty(nbytes, dtype=torch.uint8)
+    return nbytes / timed(lambda: b.copy_(a), sync) / 1e9
+
+
+def step_message_bytes(shapes: ModelShapes, config) -> dict[str, int]:
+    """A step's typical messages: the largest block's gather (compute dtype) and its
+    gradient reduce-scatter (fp32), and one MoE layer's dispatched tokens."""
+    training, model = config.training, config.model
+    compute = 2 if training.dtype == "bfloat16" else 4
+    units: dict[str, int] = {}
+    for p in shapes.parameters:
+        if len(p.shape) != 3:
+            units[p.unit] = units.get(p.unit, 0) + p.numel
+    block = max(units.values())
+    tokens = training.batch_size * training.seq_len
+    return {
+        "all_gather": block * compute,
+        "reduce_scatter": block * 4,
+        "all_to_all": tokens * model.top_k * model.dim * compute,
+    }
+
+
+def _memory(device) -> tuple[float, float]:
+    """(device GiB per rank, host GiB per rank)."""
+    with open("/proc/meminfo") as meminfo:
+        total = next(int(line.split()[1]) * 1024 for line in meminfo if "MemTotal" in line)
+    if device.type == "cuda":
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        return torch.cuda.mem_get_info(device)[1] / GIB, total / local / GIB
+    return total / GIB, 0.0
+
+
+def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
+            per_node: int) -> tuple[HardwareProfile, Measured]:  # fmt: skip
+    """This rank's part of the measurement; every rank returns the same profile."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    nodes = world // per_node
+    found = Measured()
+    training = config.training
+    tokens = training.batch_size * training.seq_len
+    gemms = model_gemms(model_shapes, tokens, config.model.top_k, config.model.num_experts)
+    found.gemm_tflops = measure_compute(gemms, device, sync, ["float32", "bfloat16"])
+    found.model_step = measure_model_step(config, device, sync)
+    messages = step_message_bytes(model_shapes, config)
+    intra_group, inter_group = _node_groups(world, rank, per_node)
+    profile = {
+        "name": f"measured ({device.type}, {nodes} node(s) of {per_node})",
+        "device": device.type,
+        "gpus_per_node": per_node,
+    }
+    if per_node > 1:
+        found.links["intra_node"] = measure_link(intra_group, messages, device, sync)
+        profile["intra_node_gbps"], profile["intra_node_efficiency"] = link_figures(
+            found.links["intra_node"]
+        )
+    else:
+        found.notes.append("intra_node: one rank per node, kept from the base profile")
+    if nodes > 1:
+        found.links["inter_node"] = measure_link(inter_group, messages, device, sync)
+        profile["inter_node_gbps"], profile["inter_node_efficiency"] = link_figures(
+            found.links["inter_node"]
+        )
+    else:
+        found.notes.append("inter_node: one node, kept from the base profile")
+    found.host_device_gbps = measure_host_device(device, sync)
+    device_gib, host_gib = _memory(device)
+    dtype = training.dtype
+    rates = found.gemm_tflops
+    profile |= {
+        "device_memory_gib": round(device_gib, 3),
+        "host_memory_gib": round(host_gib, 3),
+        "shared_memory": device.type == "cpu",
+        "peak_tflops": {k: round(v["peak"], 6) for k, v in rates.items()},
+        "matmul_efficiency": round(min(1.0, found.model_step["tflops"] / rates[dtype]["peak"]), 4),
+        "host_device_gbps": round(found.host_device_gbps, 3),
+        "host_device_efficiency": 1.0,  # the copy measured is the one offload makes
+    }
+    for key in ("intra_node_gbps", "inter_node_gbps"):
+        if key in profile:
+            profile[key] = round(profile[key], 4)
+    for key in ("intra_node_efficiency", "inter_node_efficiency"):
+        if key in profile:
+            profile[key] = round(profile[key], 4)
+    measured = dataclasses.replace(base, **profile)
+    return _agreed(measured), found
+
+
+def _agreed(profile: HardwareProfile) -> HardwareProfile:
+    """Rank 0's figures on every rank (each rank timed its own; one file is written)."""
+    box = [profile]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _node_groups(world: int, rank: int, per_node: int):
+    """(this rank's node group, its rail group: the same local rank on every node);
+    every rank creates every group, as ``new_group`` asks."""
+    intra = inter = None
+    for node in range(world // per_node):
+        group = dist.new_group(list(range(node * per_node, (node + 1) * per_node)))
+        if rank // per_node == node:
+            intra = group
+    for local in range(per_node):
+        group = dist.new_group(list(range(local, world, per_node)))
+        if rank % per_node == local:
+            inter = group
+    return intra, inter
+
+
+def profile_toml(profile: HardwareProfile, found: Measured, command: str) -> str:
+    """The profile as TOML, the keys of a shipped one, with a header saying how."""
+    import tomli_w
+
+    table = {k: v for k, v in profile.as_dict().items() if v is not None}
+    header = [
+        f"# Measured by `{command}`.",
+        "# peak_tflops: the best matmul rate seen; matmul_efficiency: the model's forward",
+        "# and backward on one micro-batch over it. *_gbps: the best of all-gather,",
+        "# reduce-scatter and all-to-all at 64 MiB; *_efficiency: their mean at one",
+        "# step's message sizes over that.",
+        *(f"# {note}" for note in found.notes),
+    ]
+    return "\n".join(header) + "\n" + tomli_w.dumps(table)
+
+
+# -- running it: on the launcher's ranks, or on ranks spawned here -------------------------
+
+
+def launched() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def run_measurement(config, base: HardwareProfile, out: str | None, command: str) -> None:
+    """Measure under the launcher that started this process, or on ``parallel.nproc``
+    ranks of this machine (``parallel.ranks_per_node`` of them a node)."""
+    if launched():
+        world = int(os.environ["WORLD_SIZE"])
+        per_node = config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, "env://")
+        return
+    import torch.multiprocessing as mp
+
+    from europa.core.train.distributed import free_port
+
+    world = config.parallel.nproc
+    per_node = min(config.parallel.ranks_per_node or world, world)
+    address = f"tcp://127.0.0.1:{free_port()}"
+    mp.start_processes(_spawned, args=(world, per_node, config, base, out, command, address),
+                       nprocs=world, start_method="spawn")  # fmt: skip
+
+
+def _spawned(rank, world, per_node, config, base, out, command, address) -> None:
+    _rank_main(rank, world, per_node, config, base, out, command, address)
+
+
+def _rank_main(rank, world, per_node, config, base, out, command, address) -> None:
+    import json
+
+    from europa.core.model import build_moe_model
+    from europa.core.plan.hardware import profile_from_table
+
+    if world % per_node:
+        from europa.core.errors import ConfigError
+
+        raise ConfigError(
+            f"parallel.ranks_per_node = {per_node}: expected a divisor of the {world} ranks"
+        )
+    cuda = torch.cuda.is_available() and config.parallel.device != "cpu"
+    if not cuda:  # the ranks of this machine share its cores, as training's do
+        here = int(os.environ.get("LOCAL_WORLD_SIZE", world if not launched() else 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
+    local = int(os.environ.get("LOCAL_RANK", rank % per_node))
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=address, rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        with torch.device("meta"):
+            shapes = ModelShapes.of(build_moe_model(config.model))
+        profile, found = measure(config, shapes, base, device, per_node)
+        if rank == 0:
+            text = profile_toml(profile, found, command)
+            profile_from_table(__import__("tomli").loads(text), "measured")  # loads back
+            if out:
+                with open(out, "w") as f:
+                    f.write(text)
+            print(text if not out else f"wrote {out}", flush=True)
+            print(json.dumps(dataclasses.asdict(found), indent=2), flush=True)
+    finally:
+        dist.destroy_process_group()
