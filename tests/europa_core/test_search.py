@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 from europa.cli.app import run
 from europa.core.model import build_moe_model
 from europa.core.plan import load_profile, make_plan
-from europa.core.plan.search import search_layouts
-from europa.core.plan.shapes import ModelShapes
+from europa.core.plan.search import plan_inputs, search_layouts
 from europa.core.plugins import EuropaPluginManager
 from europa.core.session import open_session
 from tests.conftest import run_ranks
@@ -37,12 +36,7 @@ def _search(preset: str, overrides: list[str], world: int, plugins=()):
         plan_for=lambda cfg, mgr: make_plan(cfg, mgr, CPU, world, model=model),
         world_size=world,
         ranks_per_node=per_node,
-        plan_inputs={
-            "parameter_shapes": ModelShapes.of(model).as_dict(),
-            "parameter_itemsize": 4,
-            "hardware": CPU.as_dict(),
-            "device_bytes_per_rank": CPU.device_bytes_per_rank(min(world, per_node)),
-        },
+        plan_inputs=plan_inputs(model, CPU, world, per_node),
     )
     return result, manager, model
 

@@ -133,12 +133,12 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, model
     from europa.core.plan import make_plan
     from europa.core.plan.report import plan_json, plan_table
     from europa.core.plan.search import (
+        plan_inputs,
         proposals_json,
         proposals_table,
         search_layouts,
         smallest_replica,
     )
-    from europa.core.plan.shapes import ModelShapes
 
     per_node = resolved.parallel.ranks_per_node or profile.gpus_per_node
     result = search_layouts(
@@ -149,12 +149,7 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, model
         plan_for=lambda cfg, mgr: make_plan(cfg, mgr, profile, world, model=model),
         world_size=world,
         ranks_per_node=per_node,
-        plan_inputs={
-            "parameter_shapes": ModelShapes.of(model).as_dict(),
-            "parameter_itemsize": 4,
-            "hardware": profile.as_dict(),
-            "device_bytes_per_rank": profile.device_bytes_per_rank(min(world, per_node)),
-        },
+        plan_inputs=plan_inputs(model, profile, world, per_node),
     )
     note = result.note(world, profile.name)
     if result.proposals:

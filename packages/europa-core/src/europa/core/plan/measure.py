@@ -259,20 +259,18 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
         "device": device.type,
         "gpus_per_node": per_node,
     }
-    if per_node > 1:
-        found.links["intra_node"] = measure_link(intra_group, messages, device, sync)
-        profile["intra_node_gbps"], profile["intra_node_efficiency"] = link_figures(
-            found.links["intra_node"]
+    links = (("intra_node", intra_group, per_node > 1, "one rank per node"),
+             ("inter_node", inter_group, nodes > 1, "one node"))  # fmt: skip
+    for link, group, measurable, why_not in links:
+        if not measurable:
+            found.notes.append(f"{link}: {why_not}, kept from the base profile")
+            continue
+        found.links[link] = measure_link(group, messages, device, sync)
+        gbps, efficiency = link_figures(found.links[link])
+        profile[f"{link}_gbps"], profile[f"{link}_efficiency"] = (
+            round(gbps, 4),
+            round(efficiency, 4),
         )
-    else:
-        found.notes.append("intra_node: one rank per node, kept from the base profile")
-    if nodes > 1:
-        found.links["inter_node"] = measure_link(inter_group, messages, device, sync)
-        profile["inter_node_gbps"], profile["inter_node_efficiency"] = link_figures(
-            found.links["inter_node"]
-        )
-    else:
-        found.notes.append("inter_node: one node, kept from the base profile")
     found.host_device_gbps = measure_host_device(device, sync)
     device_gib, host_gib = _memory(device)
     dtype = training.dtype
@@ -286,12 +284,6 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
         "host_device_gbps": round(found.host_device_gbps, 3),
         "host_device_efficiency": 1.0,  # the copy measured is the one offload makes
     }
-    for key in ("intra_node_gbps", "inter_node_gbps"):
-        if key in profile:
-            profile[key] = round(profile[key], 4)
-    for key in ("intra_node_efficiency", "inter_node_efficiency"):
-        if key in profile:
-            profile[key] = round(profile[key], 4)
     measured = dataclasses.replace(base, **profile)
     return _agreed(measured), found
 
