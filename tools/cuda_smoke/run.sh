@@ -10,8 +10,10 @@
 #       spmd_types==0.2.3 tomli==2.5.0 tomli_w==1.2.0 tyro==1.0.17 \
 #       docstring_parser==0.18.0 typeguard==4.6.1
 # Then run there, carrying .whl:  bash tools/cuda_smoke/run.sh
-# Results land in $OUT: env.txt, flexshard_alone.json, smoke.txt, pytest_cuda.txt and
-# the benchmarks' JSON (their CPU halves run on the machine's cores).
+# Results land in $OUT: env.txt, flexshard_alone.json, smoke.txt, pytest_cuda.txt,
+# measured_gpu.toml + measure_hardware.txt (this GPU measured) and plan_bf16_debug.json
+# (the bf16 debug step predicted with it; smoke.txt's bfloat16-none run measures it),
+# and the benchmarks' JSON (their CPU halves run on the machine's cores).
 set -u
 here=$(dirname "$0")
 export PYTHONUNBUFFERED=1
@@ -38,6 +40,12 @@ for dtype in float32 bfloat16; do
     [ -f /tmp/runs/$name/metrics.jsonl ] && python3 $here/collect.py /tmp/runs/$name >> $OUT/smoke.txt
   done
 done
+bf16='training.dtype="bfloat16"'
+timeout 150 python3 -m europa.cli plan debug --measure-hardware --set "$bf16" \
+  --set parallel.nproc=1 --out $OUT/measured_gpu.toml > $OUT/measure_hardware.txt 2>&1
+echo "measure-hardware exit=$?" >> $OUT/measure_hardware.txt
+timeout 60 python3 -m europa.cli plan debug --hardware $OUT/measured_gpu.toml --set "$bf16" \
+  --set parallel.nproc=1 --json > $OUT/plan_bf16_debug.json 2>&1
 timeout 200 python3 -m pytest -q -p no:cacheprovider -m cuda tests/ > $OUT/pytest_cuda.txt 2>&1
 echo "pytest exit=$?" >> $OUT/pytest_cuda.txt
 tail -5 $OUT/pytest_cuda.txt
