@@ -306,7 +306,10 @@ class Trainer:
         }
         if job.is_main:
             job.emit_metrics.close()
-            (job.run_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+            # Staged and renamed: another node's launcher may read it as it is replaced.
+            staged = job.run_dir / f".{SUMMARY_FILE}.partial"
+            staged.write_text(json.dumps(summary, indent=2) + "\n")
+            staged.replace(job.run_dir / SUMMARY_FILE)
         return summary
 
 
