@@ -169,7 +169,7 @@ def search_layouts(
     ):
         levers += plugin_levers or []
     searched = {p for lever in levers for alternative in lever for p in alternative["plugins"]}
-    kept = [p for p in plugins if p not in searched]
+    kept = [p for p in base.plugins.enabled if p not in searched]  # the file's and -p's
     proposals: list[Proposal] = []
     planned = skipped = 0
     for combination in itertools.product(*levers):
