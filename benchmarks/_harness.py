@@ -8,6 +8,7 @@ import json
 import multiprocessing as mp
 import os
 import socket
+import tempfile
 import time
 import traceback
 import warnings
@@ -98,8 +99,11 @@ def trainer_on_rank(
         overrides.append("flexshard.log_plan=false")
     config, manager = open_session(preset, overrides, plugins)
     device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
+    # One run directory for this group's ranks (its progress files, its data cache), never
+    # the folder the benchmark is started from.
+    run_dir = Path(tempfile.gettempdir()) / f"europa-benchmark-{os.environ['MASTER_PORT']}"
     try:
-        job = Job(config=config, run_dir=Path("."), rank=rank, world_size=world,
+        job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                   local_rank=rank, device=device, mesh=mesh)  # fmt: skip
         yield Trainer(job, manager, resume=False)
     finally:
