@@ -35,6 +35,14 @@ CACHE = "cache"  # derived data, e.g. text prepared for training (europa.core.da
 RUNS_ROOT = Path("runs")
 
 
+def write_replacing(path: Path, text: str) -> None:
+    """Write ``path`` whole or not at all: staged beside it, then renamed over it, so a
+    reader (another rank, another node's launcher, a report) never sees half of it."""
+    staged = path.with_name(f".{path.name}.partial")
+    staged.write_text(text)
+    staged.replace(path)
+
+
 def worker_error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / WORKER_ERRORS / f"rank-{rank}.txt"
 
@@ -94,6 +102,4 @@ def prepare_run_dir(
 
     check_run_dir(config, run_dir, resume=resume, from_older=from_older)
     run_dir.mkdir(parents=True, exist_ok=True)
-    staged = run_dir / f".{CONFIG_FILE}.partial"
-    staged.write_text(config_to_toml(config))
-    staged.replace(run_dir / CONFIG_FILE)
+    write_replacing(run_dir / CONFIG_FILE, config_to_toml(config))

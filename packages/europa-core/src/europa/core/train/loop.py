@@ -23,7 +23,7 @@ from europa.core.job import Job
 from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import JOB_FILE, SUMMARY_FILE
+from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
 from europa.core.train import checkpoint, metrics
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.distributed import (
@@ -245,9 +245,7 @@ class Trainer:
                 "num_limited_groups": routed.num_limited_groups,
             },
         }
-        staged = job.run_dir / f".{JOB_FILE}.partial"
-        staged.write_text(json.dumps(info, indent=2) + "\n")
-        staged.replace(job.run_dir / JOB_FILE)
+        write_replacing(job.run_dir / JOB_FILE, json.dumps(info, indent=2) + "\n")
 
     def run(self) -> dict[str, Any]:
         job, cfg = self.job, self.job.config
@@ -306,10 +304,7 @@ class Trainer:
         }
         if job.is_main:
             job.emit_metrics.close()
-            # Staged and renamed: another node's launcher may read it as it is replaced.
-            staged = job.run_dir / f".{SUMMARY_FILE}.partial"
-            staged.write_text(json.dumps(summary, indent=2) + "\n")
-            staged.replace(job.run_dir / SUMMARY_FILE)
+            write_replacing(job.run_dir / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
         return summary
 
 

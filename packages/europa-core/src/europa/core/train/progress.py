@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from europa.core.run_dir import PROGRESS, progress_file
+from europa.core.run_dir import PROGRESS, progress_file, write_replacing
 
 
 class RankProgress:
@@ -31,9 +31,7 @@ class RankProgress:
         self.step = self.step if step is None else step
         record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": phase}
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        staged = self.path.with_name(f".{self.path.name}.partial")
-        staged.write_text(json.dumps(record) + "\n")
-        staged.replace(self.path)
+        write_replacing(self.path, json.dumps(record) + "\n")
 
 
 def read_progress(run_dir: Path) -> dict[int, dict[str, Any]]:
