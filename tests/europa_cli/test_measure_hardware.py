@@ -83,6 +83,10 @@ def test_a_measured_profile_edited_badly_is_one_line(measured, tmp_path, capsys,
             "--out = 'x.txt': expected a .toml path in an existing folder",
         ),
         ([*MEASURE, "--out", "/no/such/dir/x.toml"], "--out = '/no/such/dir/x.toml': expected"),
+        (
+            [*MEASURE, "--set", "parallel.ranks_per_node=3", "--set", "parallel.nproc=4"],
+            "parallel.ranks_per_node = 3: expected a divisor of the 4 ranks",
+        ),
     ],
 )
 def test_measure_hardware_arguments_are_checked_before_anything_runs(capsys, argv, message):

@@ -148,10 +148,6 @@ def measure_model_step(config, device, sync) -> dict[str, float]:
     return {"seconds": seconds, "tflops": flops / seconds / 1e12, "layers": m.n_layers}
 
 
-def _sent_per_rank(kind: str, nbytes: int, n: int) -> float:
-    return nbytes * (n - 1) / n  # ring all-gather / reduce-scatter, and all-to-all to others
-
-
 def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
     """Bytes/s one rank sends in ``kind`` of a ``nbytes`` full tensor over ``group``."""
     n = dist.get_world_size(group)
@@ -176,7 +172,8 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
             dist.all_to_all_single(received, full, group=group)
 
     seconds = timed(run, lambda: (sync(), dist.barrier(group=group)), group)
-    return _sent_per_rank(kind, elements * 4, n) / seconds
+    # sent to the others: a ring all-gather's or reduce-scatter's share, an all-to-all's
+    return elements * 4 * (n - 1) / n / seconds
 
 
 def measure_link(group, step_bytes: dict[str, int], device, sync) -> dict:
@@ -336,38 +333,30 @@ def launched() -> bool:
 def run_measurement(config, base: HardwareProfile, out: str | None, command: str) -> None:
     """Measure under the launcher that started this process, or on ``parallel.nproc``
     ranks of this machine (``parallel.ranks_per_node`` of them a node)."""
-    if launched():
-        world = int(os.environ["WORLD_SIZE"])
-        per_node = config.parallel.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, "env://")
-        return
     import torch.multiprocessing as mp
 
-    from europa.core.train.distributed import free_port
+    from europa.core.train.distributed import check_node_layout, free_port, ranks_per_node
 
-    world = config.parallel.nproc
-    per_node = min(config.parallel.ranks_per_node or world, world)
+    here = launched()
+    world = int(os.environ["WORLD_SIZE"]) if here else config.parallel.nproc
+    per_node = ranks_per_node(config.parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
+    check_node_layout(config.parallel, world, per_node)  # before any rank starts
+    if here:
+        _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, "env://")
+        return
     address = f"tcp://127.0.0.1:{free_port()}"
-    mp.start_processes(_spawned, args=(world, per_node, config, base, out, command, address),
+    mp.start_processes(_rank_main, args=(world, per_node, config, base, out, command, address),
                        nprocs=world, start_method="spawn")  # fmt: skip
-
-
-def _spawned(rank, world, per_node, config, base, out, command, address) -> None:
-    _rank_main(rank, world, per_node, config, base, out, command, address)
 
 
 def _rank_main(rank, world, per_node, config, base, out, command, address) -> None:
     import json
 
+    import tomli
+
     from europa.core.model import build_moe_model
     from europa.core.plan.hardware import profile_from_table
 
-    if world % per_node:
-        from europa.core.errors import ConfigError
-
-        raise ConfigError(
-            f"parallel.ranks_per_node = {per_node}: expected a divisor of the {world} ranks"
-        )
     cuda = torch.cuda.is_available() and config.parallel.device != "cpu"
     if not cuda:  # the ranks of this machine share its cores, as training's do
         here = int(os.environ.get("LOCAL_WORLD_SIZE", world if not launched() else 1))
@@ -379,12 +368,11 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
     dist.init_process_group("nccl" if cuda else "gloo", init_method=address, rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        with torch.device("meta"):
-            shapes = ModelShapes.of(build_moe_model(config.model))
+        shapes = ModelShapes.of(build_moe_model(config.model))  # on the meta device
         profile, found = measure(config, shapes, base, device, per_node)
         if rank == 0:
             text = profile_toml(profile, found, command)
-            profile_from_table(__import__("tomli").loads(text), "measured")  # loads back
+            profile_from_table(tomli.loads(text), "measured")  # it loads back
             if out:
                 with open(out, "w") as f:
                     f.write(text)
