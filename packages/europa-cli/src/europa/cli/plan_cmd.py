@@ -130,7 +130,6 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, model
             as_json):  # fmt: skip
     """``--search``: the fastest layouts that fit, printed; the best plan (or, when none
     fits, the smallest replica's for the config as given)."""
-    from europa.core.plan import make_plan
     from europa.core.plan.report import plan_json, plan_table
     from europa.core.plan.search import (
         plan_inputs,
@@ -146,7 +145,7 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, model
         overrides=overrides,
         plugins=plugins,
         manager=manager,
-        plan_for=lambda cfg, mgr: make_plan(cfg, mgr, profile, world, model=model),
+        plan_for=lambda cfg, _manager: plan_for(cfg, world),  # the same manager, re-enabled
         world_size=world,
         ranks_per_node=per_node,
         plan_inputs=plan_inputs(model, profile, world, per_node),

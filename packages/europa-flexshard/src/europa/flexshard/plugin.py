@@ -331,7 +331,7 @@ def _owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
             tensors = len(stacks[module])  # w1, w2, w3: each its own optimizer state
             layout.add(spec, experts.counts(spec.name), lambda r: r % ep, tensors, expert=True)
         summary["routed_expert_bytes_per_rank_max"] = max(experts.rank_bytes())
-    return layout.as_plan(units, {}, ep, 1), summary, len(stacks)
+    return layout.as_plan(units, ep), summary, len(stacks)
 
 
 @hookimpl
@@ -446,9 +446,9 @@ class _OwnedElements:
         if not use_muon:
             self.adamw_tensors += tensors
 
-    def as_plan(
-        self, units: dict[str, int], all_to_all: dict[str, int], ep: int, copies: int
-    ) -> dict:
+    def as_plan(self, units: dict[str, int], ep: int) -> dict:
+        """The layout keys of the ownership alone: no exchange yet (``europa_plan`` adds
+        it, and the number of each expert's copies, which depend on more than this)."""
         shared = [
             stored - experts for stored, experts in zip(self.stored, self.experts, strict=True)
         ]
@@ -463,11 +463,11 @@ class _OwnedElements:
             "gather_group_size": self.ranks,
             "optimizer_step_gather_elements": 0,
             "largest_step_gather_elements": 0,
-            "expert_all_to_all_bytes_per_step": sum(all_to_all.values()),
-            "expert_all_to_all_bytes_by_link": all_to_all,
+            "expert_all_to_all_bytes_per_step": 0,
+            "expert_all_to_all_bytes_by_link": {},
             "expert_group_size": ep,
             # Replicas all-reduce what is not an expert; the copies of an expert
             # (every rank with the same ep index) all-reduce its gradients.
             "replicated_elements": max(shared),
-            "expert_copies": {"elements": max(self.experts), "group_size": copies, "stride": ep},
+            "expert_copies": {"elements": max(self.experts), "stride": ep},
         }

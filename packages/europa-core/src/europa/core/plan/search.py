@@ -264,12 +264,6 @@ def _smallest(fits: Callable[[int], bool], start: int) -> int | None:
     return _first_failing(lambda n: not fits(n), start)
 
 
-def with_batch(config: EuropaConfig, batch: int) -> EuropaConfig:
-    return dataclasses.replace(
-        config, training=dataclasses.replace(config.training, batch_size=batch)
-    )
-
-
 def smallest_replica(
     config: EuropaConfig, plan_for: Callable[[EuropaConfig, int], Plan], gpus_per_node: int
 ) -> tuple[Plan | None, str]:
