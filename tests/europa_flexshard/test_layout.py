@@ -41,14 +41,14 @@ def _seeded_grads(names_and_shapes, step):
     return {name: torch.randn(shape, generator=g) for name, shape in names_and_shapes}
 
 
-def _laid_out_model(experts=None):
+def _laid_out_model(experts=None, **groups):
     from europa.core.model import MatrixInitialiser, init_buffers
     from europa.flexshard import flex_shard
 
     model = build_moe_model(_config().model)
     init_matrix = MatrixInitialiser(model, SEED)
     shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    layout = flex_shard(model, experts=experts)
+    layout = flex_shard(model, experts=experts, **groups)
     layout.materialise("cpu", init_matrix)
     init_buffers(model, torch.device("cpu"))
     return model, layout, shapes
@@ -68,6 +68,7 @@ def _flexshard_rank(rank: int, world: int) -> dict:
     # 6 experts a layer split over every rank: the layers' runs differ when uneven.
     _, expert_layout, _ = _laid_out_model(experts=ExpertParallel())
     return {
+        "sums_in_backward": _sums_in_backward(rank, world) if world == 4 else None,
         "initial_expert_parallel": expert_layout.full_parameters(),
         "initial": initial,
         "local_grads": local_grads,
@@ -75,6 +76,52 @@ def _flexshard_rank(rank: int, world: int) -> dict:
         "norm": norm,
         "optimizers": {a: _optimizer_steps(a) for a in ("muon", "adamw")},
     }
+
+
+def _sums_in_backward(rank: int, world: int) -> dict:
+    """Two copies of a 2-rank layout (replicas {0, 2} and {1, 3}) and of its experts,
+    two micro-batches: the once-a-step sums issued in the last backward against after it."""
+    import torch.distributed as dist
+
+    from europa.flexshard.errors import PlanError
+    from europa.flexshard.experts import ExpertParallel
+
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    shard, replicate = shards[rank // 2], replicas[rank % 2]
+    mine = _tokens()[rank : rank + 1]
+    micro = (mine[:, : SEQ // 2 + 1], mine[:, SEQ // 2 :])  # two halves of its sequence
+    out = {}
+    original, calls, phase = dist.all_reduce, [], ["setup"]
+
+    def counted(*args, **kwargs):
+        calls.append(phase[0])
+        return original(*args, **kwargs)
+
+    for in_backward in (0, 2):
+        experts = ExpertParallel(group=shard, copies=replicate, data_parallel_size=world)
+        model, layout, _ = _laid_out_model(experts, group=shard, replicate_group=replicate)
+        layout.sum_copies_in_backward(in_backward)
+        calls.clear()
+        dist.all_reduce = counted
+        try:
+            for phase[0], tokens in zip(("first backward", "last backward"), micro, strict=True):
+                (_loss(model, tokens) / 2).backward()
+            phase[0] = "finish_gradients"
+            layout.finish_gradients()
+        finally:
+            dist.all_reduce = original
+        grads = {n: p.grad.clone() for n, p in layout.named_local_parameters()}
+        refused = ""
+        if in_backward:
+            for _ in range(3):  # a third backward before finish_gradients
+                try:
+                    _loss(model, micro[0]).backward()
+                except PlanError as error:
+                    refused = str(error)
+                    break
+        out[in_backward] = {"grads": grads, "all_reduces": list(calls), "refused": refused}
+    return out
 
 
 def _optimizer_steps(algorithm: str) -> dict:
@@ -133,9 +180,24 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.fixture(scope="module")
+def spawned():
+    """Each world size's group, spawned once for every test of this module."""
+    from tests.conftest import run_ranks
+
+    results: dict[int, list[dict]] = {}
+
+    def of(world: int) -> list[dict]:
+        if world not in results:
+            results[world] = run_ranks(_flexshard_rank, world)
+        return results[world]
+
+    return of
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_flexshard_equals_the_single_process_model_and_optimizer(ranks, world):
-    results = ranks(_flexshard_rank, world)
+def test_flexshard_equals_the_single_process_model_and_optimizer(spawned, world):
+    results = spawned(world)
     initial, grads = _reference_model()
     first = results[0]
     for rank, result in enumerate(results):
@@ -157,3 +219,17 @@ def test_flexshard_equals_the_single_process_model_and_optimizer(ranks, world):
     total = torch.sqrt(sum(g.pow(2).sum() for g in grads.values())).item()
     assert first["norm"] == pytest.approx(total, rel=1e-5)
     assert len({r["norm"] for r in results}) == 1
+
+
+def test_once_a_step_sums_in_the_last_backward_equal_the_sums_after_it(spawned):
+    """FlexShard's replicas and expert copies sum once a step. Issued in the last
+    micro-batch's backward, as each gradient completes, they give the gradients summed
+    after it, bit for bit, and nothing is left for ``finish_gradients``."""
+    for rank, result in enumerate(spawned(4)):
+        after, inside = result["sums_in_backward"][0], result["sums_in_backward"][2]
+        for name, grad in after["grads"].items():
+            assert torch.equal(inside["grads"][name], grad), (rank, name)
+        assert set(after["all_reduces"]) == {"finish_gradients"}
+        assert set(inside["all_reduces"]) == {"last backward"}
+        assert len(inside["all_reduces"]) > len(after["all_reduces"])  # one per unit, expert
+        assert inside["refused"].startswith("sum_copies_in_backward = 2: a backward beyond it")

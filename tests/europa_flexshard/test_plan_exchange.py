@@ -93,3 +93,36 @@ def test_dense_matrices_within_a_node_gather_on_its_link_and_reduce_once_a_step(
     replica = next(t for t in node.traffic if t.kind == "gradient_replica_all_reduce")
     assert replica.bytes_per_step == 2 * dense * 4 * (1 / 2)  # once, not once per micro-batch
     assert node.layout["group_size"] == 2
+
+
+def test_once_a_step_sums_overlap_only_the_last_backward_and_the_roots_follows_it():
+    """The copies' sums start in the last micro-batch's backward: with one micro-batch
+    they run beside its whole backward, with more beside a shorter one; the root's sum
+    (its gradient completes last) is never hidden."""
+    common = [*SEED, 'flexshard.dense_group="node"', *LEVERS["max_nodes_4"]]
+    plugins = ["flexshard", "overlap"]
+    once = _plan("kimi-k2", common, plugins, "gh200-jupiter", 1536)
+    replica = next(t for t in once.traffic if t.kind == "gradient_replica_all_reduce")
+    copies = next(t for t in once.traffic if t.kind == "expert_gradient_all_reduce")
+    assert replica.window == copies.window == "last_backward"
+    assert 0 < replica.tail_bytes < replica.bytes_per_step and copies.tail_bytes == 0
+    seconds = once.with_overlap.link_s
+    inter = sum(s for (kind, link), s in seconds.items() if link == "inter_node")
+    compute = once.with_overlap.compute_s
+    # One micro-batch: the network's whole load past the compute is what shows.
+    assert once.with_overlap.exposed_s == pytest.approx(inter - compute, rel=1e-9)
+    assert once.with_overlap.exposed_s < seconds[replica.kind, replica.link] + seconds[
+        copies.kind, copies.link
+    ]
+    # Eight micro-batches of an eighth of the sequences: the same sums beside an eighth of
+    # the backward, so more of them shows.
+    eight = _plan(
+        "kimi-k2", [*common, "training.seq_len=512", "training.grad_accum_steps=8"], plugins,
+        "gh200-jupiter", 1536,
+    )  # fmt: skip
+    backward = eight.with_overlap.compute_s * 0.75 / 8  # full recomputation: 3/4 of it
+    sums = sum(
+        s for (kind, _), s in eight.with_overlap.link_s.items()
+        if kind in ("gradient_replica_all_reduce", "expert_gradient_all_reduce")
+    )  # fmt: skip
+    assert eight.with_overlap.exposed_s >= sums - backward - 1e-9

@@ -18,8 +18,11 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   to their owners (averaged over the data-parallel ranks), the shadows go and
   the storage is freed. With replicas (the same share held elsewhere: HSDP-style
   copies, or the other nodes' copies of a node-wide layout) the owners' gradients
-  are all-reduced over them once per optimizer step, after every micro-batch's
-  backward (``reduce_replicas``), not once per backward.
+  are all-reduced over them once per optimizer step, not once per backward: in
+  the last micro-batch's backward as soon as the unit's share lands, when the
+  layout knows how many backwards make a step (``sum_replicas_in_backward``), so
+  the sum travels beside the rest of that backward; else after it
+  (``reduce_replicas``).
 
 Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
 names units whose all-gather this unit issues asynchronously right after its
@@ -48,6 +51,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
 
 
@@ -82,13 +86,26 @@ class Slot:
         return self.module._parameters[self.attr]
 
 
+class AsyncSum:
+    """One all-reduce (a sum) of several tensors flattened together, in ``dtype``
+    (default: their own), issued on construction; ``finish`` waits for it and writes
+    each sum back into its tensor."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor], group, dtype: torch.dtype | None):
+        self.tensors = list(tensors)
+        self.flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in self.tensors])
+        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def finish(self) -> None:
+        self.work.wait()
+        pieces = self.flat.split([t.numel() for t in self.tensors])
+        for tensor, piece in zip(self.tensors, pieces, strict=True):
+            tensor.copy_(piece.view_as(tensor))
+
+
 def sum_over(grads: Sequence[torch.Tensor], group, dtype: torch.dtype | None) -> None:
-    """Sum ``grads`` in place over ``group``: one all-reduce of them flattened together,
-    in ``dtype`` (default: their own)."""
-    flat = torch.cat([g.reshape(-1).to(dtype or g.dtype) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    for grad, piece in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-        grad.copy_(piece.view_as(grad))
+    """Sum ``grads`` in place over ``group`` (see ``AsyncSum``), waiting for it."""
+    AsyncSum(grads, group, dtype).finish()
 
 
 @dataclass(frozen=True)
@@ -130,6 +147,11 @@ class GatherUnit:
         self.backward_prefetch: list[GatherUnit] = []
         self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
         self._replicas_pending = False  # local gradients not yet summed over the replicas
+        # > 0: in that backward since the last replica sum (the last micro-batch's), the sum
+        # over the replicas is issued as soon as this unit's share lands (``_sum_replicas_now``).
+        self.sum_replicas_in_backward = 0
+        self._backwards = 0
+        self._replica_sum: AsyncSum | None = None
         self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -223,7 +245,12 @@ class GatherUnit:
 
     def reduce_replicas(self) -> None:
         """Sum the local gradients over the replicas (one all-reduce of the unit's owned
-        gradients), if a backward left them unsummed; every replica calls it together."""
+        gradients), if a backward left them unsummed, or wait for the sum the last backward
+        issued; every replica calls it together."""
+        self._backwards = 0
+        if self._replica_sum is not None:
+            self._replica_sum.finish()
+            self._replica_sum = None
         if not self._replicas_pending:
             return
         self._replicas_pending = False
@@ -301,8 +328,39 @@ class GatherUnit:
             if unit._resharded:
                 unit.prefetch()
 
+    def _sums_replicas_now(self) -> bool:
+        if self.sum_replicas_in_backward <= 0 or self.groups.replicas == 1:
+            return False
+        self._backwards += 1
+        if self._backwards > self.sum_replicas_in_backward:
+            raise PlanError(
+                f"sum_copies_in_backward = {self.sum_replicas_in_backward}: a backward beyond "
+                "it before the replicas' sum was finished (finish_gradients)"
+            )
+        return self._backwards == self.sum_replicas_in_backward
+
+    def _sum_replicas_now(self, shares: Sequence[torch.Tensor]) -> None:
+        """Add this backward's shares to ``.grad`` and issue their sum over the replicas;
+        ``reduce_replicas`` waits for it."""
+        grads = []
+        for slot, share in zip(self.slots, shares, strict=True):
+            local = slot.local
+            if not local.requires_grad:
+                continue
+            if local.grad is None:
+                local.grad = share
+            else:
+                local.grad += share
+            grads.append(local.grad)
+        self._replicas_pending = False
+        if grads:
+            self._replica_sum = AsyncSum(grads, self.groups.replicate, self.reduce_dtype)
+
     def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        if self.reduce_scatter_async and self.groups.size > 1:
+        if self._sums_replicas_now():
+            self._sum_replicas_now(self.reduce_scatter(grads))
+            local_grads = [None] * len(self.slots)  # already in .grad
+        elif self.reduce_scatter_async and self.groups.size > 1:
             pending = self._issue_reduce_scatter(grads, async_op=True)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._accumulate(*pending)

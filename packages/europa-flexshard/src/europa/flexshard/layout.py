@@ -29,13 +29,12 @@ from europa.flexshard.experts import (
     expert_stack,
     routed_expert_modules,
 )
-from europa.flexshard.gather import GatherUnit, Groups, Slot, all_gather, sum_over
+from europa.flexshard.gather import AsyncSum, GatherUnit, Groups, Slot, all_gather, sum_over
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
-from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
+from europa.flexshard.plan import ROOT_UNIT, OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
 
 InitMatrix = Callable[[str, int, torch.Tensor], None]
-ROOT_UNIT = "<root>"
 
 # Names of parameters an optimizer keeps on AdamW however many dimensions they have
 # (embeddings, output heads, norms, routers): Muon's authors advise it.
@@ -141,6 +140,20 @@ class FlexShardLayout:
             param = self.slots[name].local
             if param.requires_grad and not param.is_meta:
                 param.register_hook(self.experts.reduce_gradient)
+                param.register_post_accumulate_grad_hook(self.experts.after_accumulate)
+
+    def sum_copies_in_backward(self, backwards_per_step: int) -> None:
+        """Issue the once-a-step sums (each unit's over its replicas, each resident
+        expert's over its copies) in the ``backwards_per_step``-th backward since the last
+        ``finish_gradients``, each as soon as its gradient is complete, so they travel beside
+        the rest of that backward (0: after the backward, in ``finish_gradients``). A
+        backward beyond that count before ``finish_gradients`` is refused."""
+        if backwards_per_step < 0:
+            raise PlanError(f"backwards_per_step = {backwards_per_step}: expected 0 or more")
+        for unit in self.units:
+            unit.sum_replicas_in_backward = backwards_per_step
+        if self.experts is not None:
+            self.experts.sum_in_backward = backwards_per_step
 
     def finish_gradients(self) -> None:
         """Sum the owned gradients over the replicas and the resident experts' gradients
@@ -230,7 +243,10 @@ class _Experts:
         return self.parallel.group
 
     reduce_dtype: torch.dtype | None = None
+    sum_in_backward: int = 0  # see FlexShardLayout.sum_copies_in_backward
     _copies_pending: bool = False
+    _backwards: dict[int, int] = field(default_factory=dict)  # per parameter, since the sum
+    _early: dict[int, AsyncSum] = field(default_factory=dict)  # sums issued in a backward
 
     def reduce_gradient(self, grad: torch.Tensor) -> torch.Tensor:
         """This backward's share of the mean over data-parallel ranks; the copies of these
@@ -240,13 +256,32 @@ class _Experts:
         self._copies_pending = copies is not None and dist.get_world_size(copies) > 1
         return grad / (self.parallel.data_parallel_size or world)
 
+    def after_accumulate(self, param: torch.Tensor) -> None:
+        """In the last backward of a step (``sum_in_backward``), issue this expert
+        parameter's sum over its copies as soon as its gradient is accumulated."""
+        if self.sum_in_backward <= 0 or not self._copies_pending:
+            return
+        seen = self._backwards.get(id(param), 0) + 1
+        if seen > self.sum_in_backward:
+            raise PlanError(
+                f"sum_copies_in_backward = {self.sum_in_backward}: a backward beyond it "
+                "before the experts' sum over their copies was finished (finish_gradients)"
+            )
+        self._backwards[id(param)] = seen
+        if seen == self.sum_in_backward:
+            self._early[id(param)] = AsyncSum([param.grad], self.parallel.copies, self.reduce_dtype)
+
     def reduce_copies(self, params: Sequence[torch.Tensor]) -> None:
         """Sum the experts' gradients over their copies (one all-reduce, in the reduce
-        dtype), if a backward left them unsummed; every copy calls it together."""
+        dtype), if a backward left them unsummed, or wait for the sums the last backward
+        issued; every copy calls it together."""
+        early, self._early, self._backwards = self._early, {}, {}
+        for pending in early.values():
+            pending.finish()
         if not self._copies_pending:
             return
         self._copies_pending = False
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None and id(p) not in early]
         if grads:
             sum_over(grads, self.parallel.copies, self.reduce_dtype)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import pluggy
 
 from europa.flexshard.errors import FlexShardError
+from europa.flexshard.plan import ROOT_UNIT
 
 hookimpl = pluggy.HookimplMarker("europa")
 
@@ -198,6 +199,7 @@ def europa_shard_model(job, model):
         experts=experts,
     )
     _check_budget(job, layout)
+    layout.sum_copies_in_backward(job.config.training.grad_accum_steps)
     job.state[NAME] = layout
     job.claim(NAME, list(layout.slots))
     if table.log_plan and job.is_main:
@@ -243,7 +245,7 @@ def europa_checkpoint_state(job, model, optimizer):
 def unit_of(name: str) -> str:
     """The gather unit ``flex_shard`` gives a parameter of a model with ``layers``."""
     parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else "<root>"
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ROOT_UNIT
 
 
 @hookimpl
@@ -272,13 +274,15 @@ def europa_plan(job, plan):
         summary["expert_all_to_all_bytes_per_rank_per_step"] = sum(a2a.values())
         summary["expert_exchange"] = exchange
     # The copies of each share (replicas, other nodes) and of each expert (ranks with the
-    # same ep index: dp_replicate × dp_shard) sum their gradients once a step, after the
-    # last backward: nothing runs beside those all-reduces.
-    once_a_step = {"per_micro_batch": False, "overlappable": False}
+    # same ep index: dp_replicate × dp_shard) sum their gradients once a step, in the last
+    # micro-batch's backward (``sum_copies_in_backward``): beside that backward only, and
+    # the root's sum (its gradient completes last) after it.
+    once_a_step = {"per_micro_batch": False, "overlappable": True, "window": "last_backward"}
     layout["expert_copies"] |= {"group_size": plan["world_size"] // ep} | once_a_step
     layout["replica_group"] = {
         "size": plan["world_size"] // shard_ranks,
         "stride": shard_ranks,
+        "tail_elements": layout.pop("root_elements"),
     } | once_a_step
     bf16 = cfg.training.dtype == "bfloat16"
     layout["reduce_itemsize"] = 2 if bf16 and cfg.section(NAME).reduce_dtype == "bfloat16" else 4
@@ -431,6 +435,7 @@ class _OwnedElements:
         self.ranks, self.orthogonalised = ranks, orthogonalised
         self.stored = [0] * ranks
         self.experts = [0] * ranks
+        self.root = [0] * ranks  # the root unit's: its gradient completes last in backward
         self.by_rule = {True: [0] * ranks, False: [0] * ranks}
         self.adamw_tensors = 0
 
@@ -443,6 +448,8 @@ class _OwnedElements:
             self.by_rule[use_muon][r] += owned
             if expert:
                 self.experts[r] += owned
+            if spec.unit == ROOT_UNIT:
+                self.root[r] += owned
         if not use_muon:
             self.adamw_tensors += tensors
 
@@ -469,5 +476,6 @@ class _OwnedElements:
             # Replicas all-reduce what is not an expert; the copies of an expert
             # (every rank with the same ep index) all-reduce its gradients.
             "replicated_elements": max(shared),
+            "root_elements": max(self.root),
             "expert_copies": {"elements": max(self.experts), "stride": ep},
         }

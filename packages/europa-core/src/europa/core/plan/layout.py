@@ -28,13 +28,17 @@ Its keys (all per rank of the group that splits the parameters):
                       for its recomputation (saved, and offloadable, like its input)
 ``replicated_elements`` (optional; default: the largest ``stored_elements``)
                       elements all-reduced over ``dp_replicate``
-``replica_group``     (optional) {size, stride, per_micro_batch, overlappable}: the ranks
-                      holding the same share, whether they sum every micro-batch or once a
-                      step, and whether that all-reduce can run beside the backward
-                      (default: ``dp_replicate``, every micro-batch, overlapped)
+``replica_group``     (optional) {size, stride, per_micro_batch, overlappable, window,
+                      tail_elements}: the ranks holding the same share, whether they sum
+                      every micro-batch or once a step, whether that all-reduce can run
+                      beside computation, and beside what: the whole step ("step") or the
+                      last micro-batch's backward only ("last_backward"), with
+                      ``tail_elements`` of it starting only when that backward ends
+                      (default: ``dp_replicate``, every micro-batch, overlapped, "step")
 ``expert_copies``     (optional) {elements, group_size, stride, per_micro_batch,
-                      overlappable}: resident expert gradients all-reduced over the ranks
-                      holding the same experts (default: every micro-batch, overlapped)
+                      overlappable, window}: resident expert gradients all-reduced over the
+                      ranks holding the same experts (default: every micro-batch,
+                      overlapped, "step")
 ``reduce_itemsize``   (optional; default 4) bytes per element of gradient reductions
 
 FSDP2 (``fully_shard`` with ``Shard(0)``): a rank holds rows

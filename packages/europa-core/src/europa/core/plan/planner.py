@@ -259,6 +259,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         matmul_efficiency=hardware.matmul_efficiency,
         traffic=traffic,
         bandwidth=bandwidth,
+        micro_batches=training.grad_accum_steps,
     )
     return Plan(
         config=config,

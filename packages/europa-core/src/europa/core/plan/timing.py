@@ -11,7 +11,9 @@ Communication is exposed (adds to the step) unless it can overlap. Without
 europa-overlap, the layouts prefetch parameter gathers and overlap gradient
 reductions (FSDP2's own schedule); expert all-to-all, host copies and
 optimizer-step traffic wait. With it, everything but optimizer-step traffic
-runs beside compute, so a link exposes only what exceeds the compute time. On CPU
+runs beside compute, so a link exposes only what exceeds the compute time. Sums made
+once a step (FlexShard's copies) run beside the last micro-batch's backward only, and
+the one of the gradient that completes last after it. On CPU
 ranks nothing overlaps: gloo moves the bytes with the same cores that compute
 (``benchmarks/plan_accuracy.py`` measures it).
 """
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 
 from europa.core.config.schema import ModelConfig
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.traffic import Traffic
+from europa.core.plan.traffic import LAST_BACKWARD, Traffic
 
 LAYOUT_OVERLAPPED = (
     "parameter_gather",
@@ -67,16 +69,27 @@ def step_time(
     traffic: list[Traffic],
     bandwidth: dict[str, float],  # bytes/s per link, efficiency applied
     overlapped_kinds: tuple[str, ...],
+    micro_batches: int = 1,
 ) -> StepTime:
     compute = hardware_flops / (peak_flops * matmul_efficiency)
+    # The last micro-batch's backward, its recomputed forward included: all but the
+    # forward's third of the model FLOPs.
+    last_backward = compute * (1 - model_flops / 3 / hardware_flops) / micro_batches
     seconds = {(t.kind, t.link): t.bytes_per_step / bandwidth[t.link] for t in traffic}
-    per_link: dict[str, float] = {}
+    per_link: dict[str, list[float]] = {}  # [all of it, last-backward only, tail]
     exposed = 0.0
     for t in traffic:
         if t.overlappable and t.kind in overlapped_kinds:
-            per_link[t.link] = per_link.get(t.link, 0.0) + seconds[t.kind, t.link]
+            link = per_link.setdefault(t.link, [0.0, 0.0, 0.0])
+            link[0] += seconds[t.kind, t.link]
+            if t.window == LAST_BACKWARD:
+                link[1] += seconds[t.kind, t.link]
+            link[2] += t.tail_bytes / bandwidth[t.link]
         else:
             exposed += seconds[t.kind, t.link]
-    exposed += max([0.0, *(s - compute for s in per_link.values())])
+    # A link exposes what exceeds the compute beside it, what of the last backward's sums
+    # exceeds that backward, and at least what only starts when it ends.
+    beyond = [max(s - compute, last - last_backward, tail) for s, last, tail in per_link.values()]
+    exposed += max([0.0, *beyond])
     step = compute + exposed
     return StepTime(compute, seconds, exposed, step, model_flops / (step * peak_flops))

@@ -26,12 +26,20 @@ def ring_share(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
+STEP, LAST_BACKWARD = "step", "last_backward"
+
+
 @dataclass(frozen=True)
 class Traffic:
     kind: str
     link: str
     bytes_per_step: int
     overlappable: bool  # can run beside computation at all
+    # When it can: beside the whole step, or only beside the last micro-batch's backward
+    # (once-a-step sums, issued as each gradient completes); ``tail_bytes`` of it only
+    # start when that backward ends (the gradient that completes last).
+    window: str = STEP
+    tail_bytes: int = 0
 
 
 def step_traffic(
@@ -63,7 +71,8 @@ def step_traffic(
     }
     replicas, replica_stride = replica["size"], replica["stride"]
     reductions = micro_batches if replica["per_micro_batch"] else 1
-    replicated = 2 * stored * reduce_bytes * ring_share(replicas) * reductions
+    replica_share = 2 * reduce_bytes * ring_share(replicas)
+    replicated = stored * replica_share * reductions
     copies = layout.get("expert_copies") or {"elements": 0, "group_size": 1, "stride": 1}
     copy_share = ring_share(copies["group_size"])
     copy_reductions = micro_batches if copies.get("per_micro_batch", True) else 1
@@ -82,12 +91,15 @@ def step_traffic(
             strided_link(replicas, replica_stride, gpus_per_node),
             int(replicated),
             replica.get("overlappable", True),
+            replica.get("window", STEP),
+            int(replica.get("tail_elements", 0) * replica_share),
         ),
         Traffic(
             "expert_gradient_all_reduce",
             strided_link(copies["group_size"], copies["stride"], gpus_per_node),
             int(expert_copies),
             copies.get("overlappable", True),
+            copies.get("window", STEP),
         ),
         *(Traffic("expert_all_to_all", link, int(n), True) for link, n in experts.items()),
         Traffic("optimizer_step", shard_link, int(step_gather), False),
