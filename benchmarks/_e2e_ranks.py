@@ -24,9 +24,9 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from _steps import StepClock, summarise
 
     from europa.core.job import Job
-    from europa.core.run_dir import prepare_run_dir
+    from europa.core.launch.distributed import ProcessPlace, init_distributed, shutdown
+    from europa.core.launch.prepare import prepare_run_dir
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed, shutdown
     from europa.core.train.loop import Trainer, use_deterministic_algorithms
 
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")

@@ -1,4 +1,4 @@
-"""The ratios, the issue's done-when targets and the markdown table of an e2e run."""
+"""The ratios, the targets they are held to and the markdown table of an e2e run."""
 
 from __future__ import annotations
 

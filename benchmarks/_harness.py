@@ -89,8 +89,8 @@ def trainer_on_rank(
 ) -> Iterator[Any]:
     """core's Trainer on this rank, as ``europa train`` builds it (CPU, gloo)."""
     from europa.core.job import Job
+    from europa.core.launch.distributed import ProcessPlace, init_distributed, shutdown
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed, shutdown
     from europa.core.train.loop import Trainer
 
     warnings.filterwarnings("ignore")

@@ -26,9 +26,9 @@ def one_rank_trainer(preset: str, overrides: list[str]):
     import torch
 
     from europa.core.job import Job
-    from europa.core.run_dir import prepare_run_dir
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
+    from europa.core.launch.prepare import prepare_run_dir
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
     from europa.core.train.loop import Trainer
 
     try:

@@ -3,7 +3,7 @@
 A run's steps should cost the same after it has saved or resumed a checkpoint. Each
 trial is a fresh process that builds the ``--preset`` Trainer as ``europa train --nproc
 1`` does (a one-rank gloo group, ``--threads`` threads), takes warm-up steps, times
-``--steps`` steps, saves a checkpoint with ``europa.core.train.checkpoint`` and times
+``--steps`` steps, saves a checkpoint with ``europa.core.checkpoint.store`` and times
 ``--steps`` more, loads it back and times ``--steps`` more. Two variants alternate:
 
 * ``alone``: as the trainer saves at one rank, DCP without collectives (``no_dist``);
@@ -35,7 +35,7 @@ import torch
 torch.set_num_threads(int(sys.argv[1]))
 warnings.filterwarnings("ignore")
 from _one_rank import one_rank_trainer
-from europa.core.train import checkpoint
+from europa.core.checkpoint import store as checkpoint
 preset, steps, variant = sys.argv[2], int(sys.argv[3]), sys.argv[4]
 if variant == "through_group":
     checkpoint._alone = lambda: False

@@ -20,7 +20,7 @@ from a torch.profiler window of a few steps after the timed ones; model FLOPs pe
 token (``europa.core.plan.timing``: 6 × active matmul parameters + causal attention,
 no recomputation); achieved FLOP/s and MFU against the fp32 ``torch.mm`` peak measured
 in the same run at the model's own matmul shapes and thread setting. Then the ratios
-and the issue's targets.
+and the targets they are held to (``_e2e_report.TARGETS``).
 
     python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
 
@@ -210,7 +210,7 @@ def run_alone(fn, world: int, args: dict, key: str, configurations) -> dict[str,
     per step unchanged, the idle time grew: fewer cores busy), so the order of the
     configurations decided part of their ratio. The likely cause is the first run's final
     checkpoint: DCP's plans gathered through gloo left libgomp throttled (see
-    ``_alone`` in ``europa.core.train.checkpoint`` and ``benchmarks/checkpoint_steps.py``);
+    ``_alone`` in ``europa.core.checkpoint.store`` and ``benchmarks/checkpoint_steps.py``);
     fresh ranks keep the configurations independent of any such state anyway."""
     results: dict[str, Any] = {}
     for configuration in configurations:

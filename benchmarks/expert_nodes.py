@@ -179,8 +179,8 @@ class RoutingTap:
 
 def _trainer(args, overrides: list[str], run_dir: Path):
     from europa.core.job import Job
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
     from europa.core.train.loop import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -28,7 +28,7 @@ def _free_port() -> int:
 
 
 # Ranks start from a fork server that has imported these once: a fresh interpreter spends
-# seconds importing torch and torchtitan's model code, which every spawned rank used to repeat.
+# seconds importing torch and torchtitan's model code, which every spawned rank would repeat.
 # The server itself never runs a torch op or starts a thread, so forking it is safe.
 PRELOAD = [
     "torch",

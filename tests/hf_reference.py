@@ -117,9 +117,9 @@ def import_train_export(
     import torch.distributed as dist
 
     from europa.core.job import Job
-    from europa.core.run_dir import prepare_run_dir
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
+    from europa.core.launch.prepare import prepare_run_dir
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
     from europa.core.train.loop import Trainer
 
     results = {}

@@ -1,4 +1,5 @@
-"""A technique package installed into a fresh environment beside torch and pluggy only."""
+"""A technique package installed into a fresh environment beside torch, pluggy and the
+contract package (europa-spec) only."""
 
 from __future__ import annotations
 
@@ -9,23 +10,26 @@ import sysconfig
 from pathlib import Path
 
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
+CONTRACT = "europa-spec"  # what every technique package depends on, and nothing else
 
 
 def python_with_only(tmp_path: Path, distribution: str) -> Path:
-    """A new environment with ``distribution`` installed and torch and pluggy importable
-    from this one. This environment's site-packages is added as a plain path, so the
-    editable-install hooks there (europa-core's among them) are not processed: europa-core
-    is absent."""
+    """A new environment with ``distribution`` and europa-spec installed, torch and
+    pluggy importable from this one. This environment's site-packages is added as a plain
+    path, so the editable-install hooks there (europa-core's among them) are not
+    processed: europa-core is absent."""
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
-    source = tmp_path / distribution  # pip builds in the source tree: keep ours clean
-    shutil.copytree(
-        PACKAGES / distribution, source, ignore=shutil.ignore_patterns("build", "*.egg-info")
-    )
+    sources = []
+    for name in (CONTRACT, distribution):  # pip builds in the source tree: keep ours clean
+        sources.append(tmp_path / name)
+        shutil.copytree(
+            PACKAGES / name, sources[-1], ignore=shutil.ignore_patterns("build", "*.egg-info")
+        )
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--no-deps", str(source)],
+         "--no-deps", *map(str, sources)],
         check=True,
     )  # fmt: skip
     purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"

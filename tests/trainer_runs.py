@@ -23,7 +23,7 @@ class Run:
 def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: bool = False):
     """The Trainer ``europa train`` builds on this rank of a spawned gloo group."""
     from europa.core.job import Job
-    from europa.core.train.distributed import ProcessPlace, init_distributed
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
     from europa.core.train.loop import Trainer
 
     place = ProcessPlace(rank, world, rank, "torchrun")
@@ -36,7 +36,7 @@ def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: 
 def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, list[dict]]:
     import torch.distributed as dist
 
-    from europa.core.run_dir import prepare_run_dir
+    from europa.core.launch.prepare import prepare_run_dir
     from europa.core.session import open_session
 
     records = {}
@@ -51,7 +51,9 @@ def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, l
                     shutil.rmtree(later)
             prepare_run_dir(config, run_dir, resume=run.resume_from is not None)
         dist.barrier()
-        rank_trainer(rank, world, config, plugins, run_dir, run.resume_from is not None).run()
+        trainer = rank_trainer(rank, world, config, plugins, run_dir, run.resume_from is not None)
+        trainer.run()
+        assert plugins.teardown(trainer.job, None) is None  # as europa train ends a run
         dist.barrier()
         lines = (run_dir / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
         records[run.name] = [json.loads(line) for line in lines]

@@ -36,6 +36,9 @@ def test_the_measured_profile_has_the_shipped_keys_and_plans(measured, capsys):
         assert tflops > 0, dtype
     assert 0 < profile.matmul_efficiency <= 1
     assert 0 < profile.intra_node_efficiency <= 1 and profile.intra_node_gbps > 0
+    collectives = profile.intra_node_collectives  # each at its own share of the link
+    assert set(collectives) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+    assert all(0 < share <= 1 for share in collectives.values())
     assert profile.inter_node_gbps == shipped.inter_node_gbps  # one node: not measured
     assert "inter_node: one node, kept from the base profile" in measured.read_text()
     assert set(vars(shipped)) == set(vars(profile))
@@ -54,6 +57,10 @@ BAD_EDITS = [
      "peak_tflops = {'float32': "),
     (r"gpus_per_node = 2", "gpus_per_node = 2\nintra_node_bandwidth = 3",
      "unknown key 'intra_node_bandwidth'; expected keys among"),
+    (r"\nall_reduce = [0-9.]+", "\nall_reduce = 1.7",
+     "intra_node_collectives.all_reduce = 1.7; expected a share of the peak, in (0, 1]"),
+    (r"\nall_reduce = [0-9.]+", "\nbroadcast = 0.5",
+     "expected a table of efficiencies by collective, among all_gather, reduce_scatter"),
 ]  # fmt: skip
 
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from europa.core.checkpoint import store as checkpoint
 from europa.core.config import load_config
 from europa.core.errors import CheckpointError, ConfigError
-from europa.core.run_dir import prepare_run_dir
-from europa.core.train import checkpoint
+from europa.core.launch.prepare import prepare_run_dir
 from tests.conftest import run_ranks
 
 

@@ -6,13 +6,13 @@ import dataclasses
 import datetime
 import math
 import tempfile
+import tomllib
 import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-import tomli
 import tomli_w
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -317,7 +317,7 @@ def test_plugins_argument_appends_to_plugins_enabled(tmp_path):
 
 def test_config_to_toml_is_the_whole_resolved_config():
     config = load_config("debug", ["optimizer.lr=1e-5"])
-    parsed = tomli.loads(config_to_toml(config))
+    parsed = tomllib.loads(config_to_toml(config))
     assert parsed == config_to_dict(config)
     assert parsed["preset"] == "debug" and parsed["optimizer"]["lr"] == 1e-5
     assert set(parsed) == {"preset"} | {s.name for s in CORE_SECTIONS}

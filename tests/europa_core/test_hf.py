@@ -50,8 +50,8 @@ def _one_process_model(directory):
 
 
 def test_one_process_import_and_export_match_transformers(reference, tmp_path):
-    from europa.core.run_dir import prepare_run_dir
-    from europa.core.train.checkpoint import TorchDistributedState, save_checkpoint
+    from europa.core.checkpoint.store import TorchDistributedState, save_checkpoint
+    from europa.core.launch.prepare import prepare_run_dir
 
     directory, expected = reference
     config, model, init = _one_process_model(directory)

@@ -10,7 +10,7 @@ import pytest
 
 from europa.core.config import load_config
 from europa.core.errors import LaunchError
-from europa.core.train.distributed import ProcessPlace, detect_launcher, mesh_shape
+from europa.core.launch.distributed import ProcessPlace, detect_launcher, mesh_shape
 
 
 def test_a_lone_process_has_no_launcher():
@@ -88,8 +88,8 @@ SLURM_TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODEID": "1"}
 
 
 def test_under_slurm_launch_options_make_this_process_the_nodes_launcher():
-    from europa.core.train.launch import launcher_place
-    from europa.core.train.nodes import Nodes
+    from europa.core.launch.launcher import launcher_place
+    from europa.core.launch.nodes import Nodes
 
     two_nodes = Nodes(2, 1, "node0:29500")
     assert launcher_place(None, two_nodes, SLURM_TASK) is None  # no MASTER_ADDR needed
@@ -110,7 +110,7 @@ def test_under_slurm_launch_options_make_this_process_the_nodes_launcher():
     ],
 )
 def test_inconsistent_node_options_are_one_line(nodes, message):
-    from europa.core.train.nodes import Nodes
+    from europa.core.launch.nodes import Nodes
 
     with pytest.raises(LaunchError) as err:
         Nodes(**nodes).check()

@@ -197,7 +197,7 @@ def test_a_model_without_moe_layers_has_no_expert_load():
 def test_a_node_limit_makes_the_routers_groups_the_nodes_of_an_ep_group():
     """parallel.ep_max_nodes_per_token = 1 with ep = 4 over nodes of 2: the router's groups are
     the two nodes' experts, and every token's top-k experts sit on one of them."""
-    from europa.core.train.distributed import routed_model
+    from europa.core.launch.distributed import routed_model
 
     config = load_config("tiny", ["parallel.ep=4", "parallel.ep_max_nodes_per_token=1"])
     routed = routed_model(config, world_size=4, per_node=2)

@@ -13,7 +13,7 @@ from europa.core.model.materialise import materialise
 from europa.core.plan.activations import block_activations
 from europa.core.session import open_session
 
-TOLERANCE = 0.15  # the bound; the list is built to match exactly
+TOLERANCE = 0.15  # the bound the plan promises; the list is built to match exactly
 
 
 def measured_saved_bytes(

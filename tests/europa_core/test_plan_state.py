@@ -32,9 +32,9 @@ def held_after_one_step(rank: int, world: int, root: str, runs: list[Run]) -> li
     import torch
 
     from europa.core.job import Job
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
     from europa.core.plan import load_profile, make_plan
     from europa.core.session import open_session
-    from europa.core.train.distributed import ProcessPlace, init_distributed
     from europa.core.train.loop import Trainer
 
     out = []
@@ -77,7 +77,7 @@ RUNS = {
 
 @pytest.mark.parametrize("world", sorted(RUNS))
 def test_planned_state_equals_what_ranks_hold(ranks, tmp_path, world):
-    from europa.core.train.distributed import shutdown
+    from europa.core.launch.distributed import shutdown
 
     runs = [Run(r.name, r.overrides, r.plugins, preset="debug") for r in RUNS[world]]
     if world == 1:  # no process to spawn: the test process is the rank

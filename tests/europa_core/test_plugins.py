@@ -21,13 +21,13 @@ import pluggy
 import pytest
 import torch
 
-from europa.core import hookspecs
 from europa.core.config import config_to_toml
 from europa.core.errors import ConfigError, PluginError
 from europa.core.job import Job
 from europa.core.plugins import DISABLE_ENV, EuropaPluginManager, PluginInfo
 from europa.core.plugins.manager import _BUILTIN_MODULES
 from europa.core.session import open_session
+from europa.spec import hookspecs
 
 HEADER = 'import pluggy\n\nhookimpl = pluggy.HookimplMarker("europa")\n'
 
@@ -476,6 +476,7 @@ def test_every_hook_docstring_states_how_it_is_called():
         "europa_plan",
         "europa_search_levers",
         "europa_register_commands",
+        "europa_teardown",
     }
     for name, fn in specs.items():
         flags = fn.europa_spec

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from europa.core.train.checkpoint import complete_checkpoints
+from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.train.stop import StopRequest
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import tomllib
 from pathlib import Path
 
 import pytest
-import tomli
 
 from europa.cli.app import run
-from europa.core.train.checkpoint import complete_checkpoints
+from europa.core.checkpoint.store import complete_checkpoints
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, train_runs
 
@@ -47,7 +47,7 @@ def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
             assert sum(shares) == pytest.approx(1.0, abs=1e-6), layer
             assert record["expert_imbalance"][layer] == pytest.approx(max(shares) * 8)
 
-    written = tomli.loads((run_dir / "config.toml").read_text())
+    written = tomllib.loads((run_dir / "config.toml").read_text())
     assert written["training"]["steps"] == 40
     assert written["parallel"]["nproc"] == 2
     assert [step for step, _ in complete_checkpoints(run_dir)] == [20, 40]
@@ -80,7 +80,7 @@ def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
     ]
     losses = _losses_of(run_ranks(train_runs, 4, str(tmp_path), runs, timeout=300)[0])
     assert losses["hsdp"] == pytest.approx(losses["fsdp"], rel=1e-6)
-    written = tomli.loads((tmp_path / "hsdp" / "config.toml").read_text())
+    written = tomllib.loads((tmp_path / "hsdp" / "config.toml").read_text())
     assert written["parallel"]["dp_replicate"] == 2
 
 
@@ -200,8 +200,8 @@ def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
 def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capfd):
     from europa.core.config import load_config
     from europa.core.errors import LaunchedRunError
-    from europa.core.run_dir import prepare_run_dir
-    from europa.core.train.launch import launch_local_workers
+    from europa.core.launch.launcher import launch_local_workers
+    from europa.core.launch.prepare import prepare_run_dir
 
     run_dir = tmp_path / "run"
     prepare_run_dir(load_config("tiny"), run_dir, resume=False)

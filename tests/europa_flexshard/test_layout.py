@@ -13,7 +13,7 @@ import torch
 from europa.core.config import load_config
 from europa.core.model import build_moe_model, materialise
 from europa.core.optim import MuonWithAdamW
-from europa.core.plugins.builtin.optimizer import uses_muon
+from europa.spec.optim import uses_muon
 
 pytestmark = pytest.mark.distributed
 
@@ -160,8 +160,8 @@ def _reference_steps(algorithm: str) -> dict[str, torch.Tensor]:
     named = list(model.named_parameters())
     if algorithm == "muon":
         optimizer = MuonWithAdamW(
-            [p for n, p in named if uses_muon(n, p.ndim)],
-            [p for n, p in named if not uses_muon(n, p.ndim)],
+            [p for n, p in named if uses_muon(n, p.shape)],
+            [p for n, p in named if not uses_muon(n, p.shape)],
             lr=0.02,
             weight_decay=0.1,
         )

@@ -111,9 +111,10 @@ def test_once_a_step_sums_overlap_only_the_last_backward_and_the_roots_follows_i
     compute = once.with_overlap.compute_s
     # One micro-batch: the network's whole load past the compute is what shows.
     assert once.with_overlap.exposed_s == pytest.approx(inter - compute, rel=1e-9)
-    assert once.with_overlap.exposed_s < seconds[replica.kind, replica.link] + seconds[
-        copies.kind, copies.link
-    ]
+    assert (
+        once.with_overlap.exposed_s
+        < seconds[replica.kind, replica.link] + seconds[copies.kind, copies.link]
+    )
     # Eight micro-batches of an eighth of the sequences: the same sums beside an eighth of
     # the backward, so more of them shows.
     eight = _plan(

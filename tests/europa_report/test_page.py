@@ -100,3 +100,23 @@ def test_the_command_writes_the_page_beside_the_run(tiny_run, tmp_path, capsys, 
     assert (run_dir / "report.html").is_file()
     assert opened == [(run_dir / "report.html").resolve().as_uri()]
     assert f"report written to {run_dir / 'report.html'}" in capsys.readouterr().err
+
+
+def test_a_run_with_validation_draws_it_in_a_validation_section(tmp_path):
+    from tests.conftest import run_ranks
+    from tests.trainer_runs import Run, train_runs
+
+    run_ = Run("validated", ["training.steps=4", "data.validation_fraction=0.2",
+                             "metrics.eval_every=2"], [])  # fmt: skip
+    run_ranks(train_runs, 1, str(tmp_path), [run_])
+    run_dir = tmp_path / run_.name
+    evaluated = [r["step"] for r in _records(run_dir) if "val_loss" in r]
+    assert evaluated == [2, 4]
+    out = write_report([run_dir], tmp_path / "report.html")
+    elements, figures, _ = read_page(out)
+    assert {"val_loss", "val_perplexity"} <= set(elements)
+    for key in ("val_loss", "val_perplexity"):
+        (trace,) = figures[key]["data"]
+        assert trace["x"] == evaluated and all(y is not None for y in trace["y"])
+    html = out.read_text()
+    assert 'data-section="Validation"' in html and "Plugin: val" not in html

@@ -138,7 +138,7 @@ def _alone(tmp_path, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("bad input reached training")
 
-    monkeypatch.setattr("europa.core.train.launch.launch_local_workers", no_training)
+    monkeypatch.setattr("europa.core.launch.launcher.launch_local_workers", no_training)
     monkeypatch.setattr("europa.core.train.loop.run_training", no_training)
 
 

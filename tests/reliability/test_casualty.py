@@ -3,8 +3,8 @@ then lost contact with it (progress files written by hand)."""
 
 from __future__ import annotations
 
-from europa.core.train.casualty import describe_failure
-from europa.core.train.progress import RankProgress
+from europa.core.launch.casualty import describe_failure
+from europa.core.launch.progress import RankProgress
 
 
 def test_the_rank_that_lost_contact_is_not_blamed(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from europa.core.checkpoint.store import MARKER, checkpoint_to_resume, damage, step_dir
 from europa.core.errors import CheckpointError
-from europa.core.train.checkpoint import MARKER, checkpoint_to_resume, damage, step_dir
 
 
 def _checkpoint(run_dir, step, files):

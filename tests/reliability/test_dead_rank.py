@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from europa.core.train.checkpoint import complete_checkpoints
-from europa.core.train.progress import read_progress
+from europa.core.checkpoint.store import complete_checkpoints
+from europa.core.launch.progress import read_progress
 
 from .conftest import (
     QUIET,

@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from europa.core.train.checkpoint import complete_checkpoints, damage
+from europa.core.checkpoint.store import complete_checkpoints, damage
 
 from .conftest import QUIET, europa_env, last_line, run_europa
 

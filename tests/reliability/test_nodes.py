@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from europa.cli.app import run
-from europa.core.train.distributed import free_port
+from europa.core.launch.distributed import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

@@ -14,15 +14,15 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from europa.cli.app import run
-from europa.core.config import load_config
-from europa.core.train.checkpoint import step_dir
-from europa.core.train.checkpoint_reader import (
+from europa.core.checkpoint.global_batch import global_batch, suggested_settings
+from europa.core.checkpoint.reader import (
     RestrictedFileSystemReader,
     WeightsOnlyLoadPlanner,
     read_metadata,
 )
-from europa.core.train.distributed import free_port
-from europa.core.train.global_batch import global_batch, suggested_settings
+from europa.core.checkpoint.store import step_dir
+from europa.core.config import load_config
+from europa.core.launch.distributed import free_port
 from tests.conftest import run_ranks
 from tests.reliability.resume_runs import Resume, resume_runs
 from tests.trainer_runs import Run, train_runs

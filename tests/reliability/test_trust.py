@@ -15,11 +15,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from europa.cli.app import run
+from europa.core.checkpoint import store as checkpoint
+from europa.core.checkpoint.reader import read_metadata
 from europa.core.config import load_config
 from europa.core.errors import CheckpointError
-from europa.core.run_dir import prepare_run_dir
-from europa.core.train import checkpoint
-from europa.core.train.checkpoint_reader import read_metadata
+from europa.core.launch.prepare import prepare_run_dir
 
 
 class MakesADirectory:

@@ -3,11 +3,11 @@
 #
 # Prepare here (wheels of our packages and of what the GPU image lacks go in .whl/,
 # which .git/info/exclude must ignore):
-#   python -m pip wheel --no-deps -w .whl packages/europa-core packages/europa-cli \
-#       packages/europa-flexshard packages/europa-offload
+#   python -m pip wheel --no-deps -w .whl packages/europa-spec packages/europa-core \
+#       packages/europa-cli packages/europa-flexshard packages/europa-offload
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 \
-#       spmd_types==0.2.3 tomli==2.5.0 tomli_w==1.2.0 tyro==1.0.17 \
+#       spmd_types==0.2.3 tomli_w==1.2.0 tyro==1.0.17 \
 #       docstring_parser==0.18.0 typeguard==4.6.1
 # Then run there, carrying .whl:  bash tools/cuda_smoke/run.sh
 # Results land in $OUT: env.txt, flexshard_alone.json, smoke.txt, pytest_cuda.txt,
@@ -19,14 +19,13 @@ here=$(dirname "$0")
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site
+# The GPU image's older torch gets from the shim the torch 2.13 names europa and
+# torchtitan use (tools/cuda_smoke/shim/sitecustomize.py).
+export PYTHONPATH=/tmp/site:$PWD/$here/shim
 python3 -c "import torch, sys; print(sys.version.split()[0], torch.__version__, torch.cuda.get_device_name(), torch.version.cuda)" | tee $OUT/env.txt
 nproc >> $OUT/env.txt
 timeout 120 python3 $here/flexshard_alone.py > $OUT/flexshard_alone.json
 cat $OUT/flexshard_alone.json
-# torchtitan 0.3.0 imports torch.distributed.fsdp.DataParallelMeshDims (torch 2.13);
-# a GPU image with an older torch gets that one name from the shim.
-export PYTHONPATH=/tmp/site:$PWD/$here/shim
 for dtype in float32 bfloat16; do
   for plugin in none flexshard offload; do
     name=$dtype-$plugin

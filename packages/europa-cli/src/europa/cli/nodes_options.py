@@ -1,4 +1,4 @@
-"""``europa train``'s options for several nodes and restarts (``europa.core.train.nodes``)."""
+"""``europa train``'s options for several nodes and restarts (``europa.core.launch.nodes``)."""
 
 from __future__ import annotations
 

@@ -18,10 +18,10 @@ from europa.cli.nodes_options import (
 )
 from europa.cli.options import ConfigArg, PluginOpt, SetOpt
 from europa.core.errors import ConfigError
+from europa.core.launch.nodes import RDZV_TIMEOUT_SECONDS, Nodes
 from europa.core.plugins import EuropaPluginManager
 from europa.core.run_dir import CONFIG_FILE, SUMMARY_FILE
 from europa.core.session import open_session
-from europa.core.train.nodes import RDZV_TIMEOUT_SECONDS, Nodes
 
 
 def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
@@ -74,7 +74,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
                     "directory of an earlier run to --resume"
                 )
         resolved, plugins = open_session(source, set_ or [], plugin or [], manager)
-        from europa.core.train.launch import train  # torch and torchtitan: only when training
+        from europa.core.launch.launcher import train  # torch and torchtitan: only when training
 
         nodes = Nodes(nnodes, node_rank, rdzv_endpoint, max_restarts, rdzv_timeout)
         done = train(

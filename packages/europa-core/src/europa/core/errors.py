@@ -1,14 +1,13 @@
 """Errors a user can cause. Each carries one line that names the key, the value
 and what was expected; the CLI prints it without a traceback and exits 2.
 
-A plugin, which imports no europa code, marks its own user-facing errors the
-same way: an exception class with ``europa_user_error = True``.
+A plugin marks its own user-facing errors the same way, through europa-spec's
+``UserError`` (``europa_user_error = True``).
 """
 
+from europa.spec.errors import UserError, is_user_error
 
-def is_user_error(err: BaseException) -> bool:
-    """A user-facing error, from core or from a plugin (``europa_user_error = True``)."""
-    return getattr(err, "europa_user_error", False) is True
+__all__ = ["is_user_error"]
 
 
 def one_line(err: BaseException | str) -> str:
@@ -16,10 +15,8 @@ def one_line(err: BaseException | str) -> str:
     return " ".join(str(err).splitlines())
 
 
-class EuropaError(ValueError):
+class EuropaError(UserError):
     """Base of every user-facing error. ``str(err)`` is a single line."""
-
-    europa_user_error = True
 
     def __init__(self, message: str) -> None:
         super().__init__(one_line(message))

@@ -44,7 +44,7 @@ class Job:
     @property
     def node_size(self) -> int:
         """Ranks sharing one node: ``parallel.ranks_per_node``, else the launcher's, else all."""
-        from europa.core.train.distributed import ranks_per_node
+        from europa.core.launch.distributed import ranks_per_node
 
         return ranks_per_node(self.config.parallel, self.world_size, self.ranks_per_node)
 

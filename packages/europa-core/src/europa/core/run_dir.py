@@ -6,9 +6,11 @@ training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
 ``.partial`` folders are never loaded), ``summary.json``, ``tensorboard/``
 (event files, when ``[metrics] tensorboard = true``), ``worker-errors/rank-N.txt``
 (a worker's one-line error, read by the launcher), ``progress/rank-N.json`` (where
-each rank is: the step it computes or saves, its pid; see ``train.progress``) and
-``cache/`` (text prepared for training, written before the run starts). The names
-import nothing heavy, so the CLI can use them without torch.
+each rank is: the step it computes or saves, its pid; see ``europa.core.launch.progress``) and
+``cache/`` (text prepared for training, written before the run starts). Names and
+paths only: it imports nothing of europa but its errors, so the CLI can use it without
+torch; creating and checking a run directory is the launcher's
+(``europa.core.launch.prepare``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
-
-from europa.core.errors import ConfigError
 
 if TYPE_CHECKING:
     from europa.core.config import EuropaConfig
@@ -58,48 +58,3 @@ def default_run_dir(config: EuropaConfig, environ: dict[str, str] | None = None)
     if not job_id or job_id == "none":
         job_id = time.strftime("%Y%m%d-%H%M%S")
     return RUNS_ROOT / f"{config.run.name}-{job_id}"
-
-
-def check_run_dir(
-    config: EuropaConfig, run_dir: Path, *, resume: bool, from_older: bool = False
-) -> None:
-    """A new or empty directory (its data cache aside), or on resume one with a checkpoint
-    to continue from (with ``from_older``, an older one when newer ones are damaged)."""
-    from europa.core.train.checkpoint import checkpoint_to_resume  # torch: only when training
-
-    _check_usable(run_dir)
-    if resume:
-        checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
-    elif run_dir.exists() and any(path.name != CACHE for path in run_dir.iterdir()):
-        raise ConfigError(
-            f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
-            "directory, or --resume to continue it"
-        )
-
-
-def _check_usable(run_dir: Path) -> None:
-    """A directory, or a path whose nearest existing ancestor is a writable directory."""
-    shown = repr(str(run_dir))
-    try:
-        nearest = next(path for path in (run_dir, *run_dir.parents) if path.exists())
-        if not nearest.is_dir():
-            where = "is a file" if nearest == run_dir else f"is under the file {str(nearest)!r}"
-            raise ConfigError(f"--run-dir = {shown}: {where}; expected a directory")
-        if not os.access(nearest, os.W_OK | os.X_OK):
-            raise ConfigError(
-                f"--run-dir = {shown}: {str(nearest)!r} is not writable; expected a directory "
-                "this user may write"
-            )
-    except OSError as err:  # a name too long, a loop of links, ...
-        raise ConfigError(f"--run-dir = {shown}: {err.strerror}; expected a usable path") from None
-
-
-def prepare_run_dir(
-    config: EuropaConfig, run_dir: Path, *, resume: bool, from_older: bool = False
-) -> None:
-    """Create (or, on resume, check) the run directory and write the resolved config."""
-    from europa.core.config import config_to_toml
-
-    check_run_dir(config, run_dir, resume=resume, from_older=from_older)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_replacing(run_dir / CONFIG_FILE, config_to_toml(config))

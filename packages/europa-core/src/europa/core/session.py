@@ -26,7 +26,6 @@ def open_session(
         overrides,
         plugins,
         sections=manager.config_sections(),
-        builtin_owners=manager.builtin_owners(),
         cross_field_rules=cross_field_rules,
     )
     manager.enable(config.plugins.enabled)

@@ -53,21 +53,17 @@ from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
+from europa.spec.tags import mark_gathered
 
 
-# torch 2.13 renamed the single-tensor collectives; earlier releases know the old names.
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
 # timeline) sees these collectives too.
 def all_gather(*args, **kwargs):
-    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(
-        *args, **kwargs
-    )
+    return dist.all_gather_single(*args, **kwargs)
 
 
 def reduce_scatter(*args, **kwargs):
-    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(
-        *args, **kwargs
-    )
+    return dist.reduce_scatter_single(*args, **kwargs)
 
 
 @dataclass
@@ -300,7 +296,7 @@ class GatherUnit:
         else:
             self.fulls = self.all_gather()
         for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
-            full.europa_gathered_parameter = True
+            mark_gathered(full)
         self._shadow(self.fulls)
         if torch._C._current_graph_task_id() == -1:  # not a forward recomputed in backward
             for unit in self.forward_prefetch:

@@ -33,17 +33,9 @@ from europa.flexshard.gather import AsyncSum, GatherUnit, Groups, Slot, all_gath
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import ROOT_UNIT, OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
+from europa.spec.optim import uses_muon
 
 InitMatrix = Callable[[str, int, torch.Tensor], None]
-
-# Names of parameters an optimizer keeps on AdamW however many dimensions they have
-# (embeddings, output heads, norms, routers): Muon's authors advise it.
-ADAMW_ONLY_PARTS = ("embed", "lm_head", "norm", "router", "expert_bias")
-
-
-def orthogonalised_by_default(name: str, shape: Sequence[int]) -> bool:
-    """Hidden weight matrices and stacked expert matrices go to Muon."""
-    return len(shape) >= 2 and not any(part in name for part in ADAMW_ONLY_PARTS)
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -307,7 +299,7 @@ def flex_shard(
     units: Sequence[nn.Module] | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
-    orthogonalised: Callable[[str, Sequence[int]], bool] = orthogonalised_by_default,
+    orthogonalised: Callable[[str, Sequence[int]], bool] = uses_muon,
     experts: ExpertParallel | None = None,
 ) -> FlexShardLayout:
     """Lay ``model`` out by whole-matrix ownership over ``group`` (default: the world).

@@ -3,46 +3,28 @@
 Every local parameter of a ``FlexShardLayout`` is a stack of whole matrices,
 so Muon's Newton–Schulz orthogonalisation, which needs a whole matrix, runs
 where the matrix lives; the rank's Muon matrices are batched by shape into one
-orthogonalisation each. AdamW is elementwise and needs nothing.
+orthogonalisation each. AdamW is elementwise and needs nothing; it is europa-spec's
+exact form, whose bits do not depend on how a rank's tensors are split, so every
+layout trains alike (torch's fused kernel does not promise that).
 
-The maths is europa-core's ``MuonWithAdamW`` (and its AdamW): the quintic
-Newton–Schulz iteration with Jordan et al.'s coefficients in the parameter's
-dtype, Nesterov momentum, decoupled weight decay and the update scaled by
-``0.2 * sqrt(max(rows, cols))`` so that one ``lr`` serves both groups. It is
-written out here because a technique package does not import core; the tests
-hold the two to 1e-6.
+The maths is europa-spec's (``europa.spec.muon``), the same that europa-core's
+``MuonWithAdamW`` runs: the quintic Newton–Schulz iteration in the parameter's
+dtype, Nesterov momentum, decoupled weight decay, the update scaled by
+``0.2 * sqrt(max(rows, cols))`` so that one ``lr`` serves both groups, and the
+Muon/AdamW parameter rule.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-from europa.flexshard.layout import FlexShardLayout, orthogonalised_by_default
+from europa.flexshard.layout import FlexShardLayout
+from europa.spec.muon import adamw_state, adamw_update_exact, orthogonalise, rms_matching_scale
+from europa.spec.optim import uses_muon
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-
-
-def orthogonalise(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate U V^T of each matrix in ``[..., rows, cols]`` (quintic Newton–Schulz)."""
-    a, b, c = NS_COEFFICIENTS
-    x = matrices.float()
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    if transposed:
-        x = x.mT
-    return x.to(matrices.dtype)
-
-
-def rms_matching_scale(matrix_shape: Sequence[int]) -> float:
-    return 0.2 * math.sqrt(max(matrix_shape[-2], matrix_shape[-1]))
+__all__ = ["FlexShardOptimizer", "orthogonalise"]
 
 
 class FlexShardOptimizer(torch.optim.Optimizer):
@@ -61,7 +43,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
         ns_steps: int = 5,
         betas: tuple[float, float] = (0.9, 0.95),
         eps: float = 1e-8,
-        orthogonalised: Callable[[str, Sequence[int]], bool] = orthogonalised_by_default,
+        orthogonalised: Callable[[str, Sequence[int]], bool] = uses_muon,
     ) -> None:
         if algorithm not in ("muon", "adamw"):
             raise ValueError(f"algorithm = {algorithm!r}: expected 'muon' or 'adamw'")
@@ -96,9 +78,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
         if use_muon:
             state["momentum_buffer"] = torch.zeros_like(param)
             return
-        state["step"] = torch.zeros((), dtype=torch.float32)
-        state["exp_avg"] = torch.zeros_like(param)
-        state["exp_avg_sq"] = torch.zeros_like(param)
+        state.update(adamw_state(param))
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor, dict]]:
         """(name, local parameter, its group) for every parameter this optimizer steps."""
@@ -119,9 +99,15 @@ class FlexShardOptimizer(torch.optim.Optimizer):
             if group["use_muon"]:
                 self._muon_step(group)
             else:
-                for param in group["params"]:
-                    if param.grad is not None:
-                        self._adamw_update(param, group)
+                stepped = [p for p in group["params"] if p.grad is not None]
+                adamw_update_exact(
+                    stepped,
+                    [self.state[p] for p in stepped],
+                    lr=group["lr"],
+                    betas=group["betas"],
+                    eps=group["eps"],
+                    weight_decay=group["weight_decay"],
+                )
         return loss
 
     def _muon_step(self, group: dict) -> None:
@@ -142,16 +128,3 @@ class FlexShardOptimizer(torch.optim.Optimizer):
             for (param, _), update in zip(items, updates, strict=True):
                 param.mul_(1 - group["lr"] * group["weight_decay"])
                 param.add_(update, alpha=-group["lr"] * scale)
-
-    def _adamw_update(self, param: torch.Tensor, group: dict) -> None:
-        state = self.state[param]
-        beta1, beta2 = group["betas"]
-        state["step"] += 1
-        step = state["step"].item()
-        state["exp_avg"].lerp_(param.grad, 1 - beta1)
-        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
-        bias1 = 1 - beta1**step
-        bias2 = 1 - beta2**step
-        denom = (state["exp_avg_sq"] / bias2).sqrt_().add_(group["eps"])
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.addcdiv_(state["exp_avg"], denom, value=-group["lr"] / bias1)

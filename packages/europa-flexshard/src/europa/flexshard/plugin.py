@@ -19,18 +19,15 @@ import math
 import sys
 from dataclasses import dataclass, field
 
-import pluggy
-
 from europa.flexshard.errors import FlexShardError
 from europa.flexshard.plan import ROOT_UNIT
-
-hookimpl = pluggy.HookimplMarker("europa")
+from europa.spec.hookspecs import hookimpl
+from europa.spec.optim import STATE_TENSORS
+from europa.spec.units import GIB
 
 NAME = "flexshard"
-GIB = 2**30
 # fp32 tensors a rank keeps per owned parameter element: the parameter and its
 # gradient, plus the optimizer's state (Muon: momentum; AdamW: two moments).
-_COPIES = {"muon": 3, "adamw": 4}
 
 
 @dataclass(kw_only=True)
@@ -78,7 +75,7 @@ def _check_budget(job, layout) -> None:
     limit = job.config.section(NAME).max_rank_gib
     if not limit:
         return
-    need = layout.max_local_bytes() * _COPIES[job.config.optimizer.name]
+    need = layout.max_local_bytes() * (2 + STATE_TENSORS[job.config.optimizer.name])
     if need > limit * GIB:
         raise FlexShardError(
             f"flexshard.max_rank_gib = {limit}: the most loaded of {job.world_size} rank(s) "
@@ -302,17 +299,17 @@ def owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
 @functools.lru_cache(maxsize=32)
 def _owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
     from europa.flexshard.experts import expert_stack
-    from europa.flexshard.layout import orthogonalised_by_default
     from europa.flexshard.plan import ParameterSpec, plan_ownership
+    from europa.spec.optim import uses_muon
 
     routed = {name for name, shape in shapes if ep > 1 and len(shape) == 3}
     specs = [
-        ParameterSpec(name, shape, itemsize, unit_of(name), orthogonalised_by_default(name, shape))
+        ParameterSpec(name, shape, itemsize, unit_of(name), uses_muon(name, shape))
         for name, shape in shapes
         if name not in routed
     ]
     ownership = plan_ownership(specs, shard_ranks)
-    layout = _OwnedElements(shard_ranks, orthogonalised_by_default if muon else None)
+    layout = _OwnedElements(shard_ranks, uses_muon if muon else None)
     for spec in specs:
         layout.add(spec, ownership.counts(spec.name), lambda r: r)
     units: dict[str, int] = {}
@@ -436,6 +433,7 @@ class _OwnedElements:
         self.stored = [0] * ranks
         self.experts = [0] * ranks
         self.root = [0] * ranks  # the root unit's: its gradient completes last in backward
+        self.by_unit: dict[str, list[int]] = {}  # of the gathered (non-resident) matrices
         self.by_rule = {True: [0] * ranks, False: [0] * ranks}
         self.adamw_tensors = 0
 
@@ -450,6 +448,8 @@ class _OwnedElements:
                 self.experts[r] += owned
             if spec.unit == ROOT_UNIT:
                 self.root[r] += owned
+            if not expert:
+                self.by_unit.setdefault(spec.unit, [0] * self.ranks)[r] += owned
         if not use_muon:
             self.adamw_tensors += tensors
 
@@ -467,6 +467,10 @@ class _OwnedElements:
             "adamw_elements": self.by_rule[False],
             "adamw_tensors": self.adamw_tensors,
             "gathered_unit_elements": units,
+            # a unit's gather sends the widest rank's share from every rank
+            "gathered_unit_wire_elements": {
+                unit: self.ranks * max(shares) for unit, shares in self.by_unit.items()
+            },
             "gather_group_size": self.ranks,
             "optimizer_step_gather_elements": 0,
             "largest_step_gather_elements": 0,

@@ -9,10 +9,8 @@ other, and its keys and shapes are those of an unsharded model
 (``model.<name>``), which lets a launcher check a checkpoint against a model on
 the meta device.
 
-The chunk is an ``OwnedChunk``: a full-shaped tensor of which this rank holds
-one region, described through DCP's own ``_Checkpointable`` protocol (the one
-DTensor implements). Neither DTensor, whose placements cannot say "matrices
-2-4 on rank 1", nor the deprecated ShardedTensor is needed. Without
+The chunk is an ``OwnedChunk`` (``europa.spec.dcp``): a full-shaped tensor of
+which this rank holds one region, described through DCP's own chunk protocol. Without
 torch.distributed (one process) the tensors are plain and full.
 """
 
@@ -22,63 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-)
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from europa.flexshard.layout import FlexShardLayout
 from europa.flexshard.optimizer import FlexShardOptimizer
-
-
-class OwnedChunk(torch.Tensor):
-    """A tensor of shape ``size`` of which this rank holds ``local`` at ``offsets``
-    (or nothing, ``local=None``). For checkpointing only: any operation on it fails."""
-
-    @staticmethod
-    def __new__(
-        cls, size: torch.Size, local: torch.Tensor, offsets: tuple[int, ...] | None
-    ) -> OwnedChunk:
-        chunk = torch.Tensor._make_wrapper_subclass(
-            cls, size, dtype=local.dtype, device=local.device, requires_grad=False
-        )
-        chunk._local = local
-        chunk._offsets = offsets
-        return chunk
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"OwnedChunk only carries a checkpoint chunk; {func} is not supported")
-
-    def _chunks(self) -> list[ChunkStorageMetadata]:
-        if self._offsets is None:
-            return []
-        return [ChunkStorageMetadata(torch.Size(self._offsets), self._local.size())]
-
-    # -- torch.distributed.checkpoint's _Checkpointable protocol --------------------------
-
-    def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
-        return [
-            WriteItem(
-                index=MetadataIndex(fqn, chunk.offsets),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=chunk,
-                    properties=TensorProperties.create_from_tensor(self._local),
-                    size=self.size(),
-                ),
-            )
-            for chunk in self._chunks()
-        ]
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return self._chunks()
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self._local
-
+from europa.spec.dcp import OwnedChunk
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "ns_steps", "betas", "eps")
 

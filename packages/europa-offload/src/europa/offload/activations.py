@@ -46,8 +46,7 @@ import torch
 from torch import nn
 
 from europa.offload.pool import HostBufferPool
-
-GATHERED_PARAMETER = "europa_gathered_parameter"
+from europa.spec.tags import is_gathered
 
 
 @dataclass(frozen=True)
@@ -104,7 +103,7 @@ class _Backward:
 def _is_weight(t: torch.Tensor) -> bool:
     for candidate in (t, t._base):
         if candidate is not None and (
-            isinstance(candidate, nn.Parameter) or getattr(candidate, GATHERED_PARAMETER, False)
+            isinstance(candidate, nn.Parameter) or is_gathered(candidate)
         ):
             return True
     return False

@@ -14,15 +14,12 @@ import fnmatch
 import os
 from dataclasses import dataclass, field
 
-import pluggy
-
 from europa.offload.errors import OffloadError
-
-hookimpl = pluggy.HookimplMarker("europa")
+from europa.spec.hookspecs import hookimpl
+from europa.spec.optim import FP32, STATE_TENSORS
+from europa.spec.units import GIB
 
 NAME = "offload"
-GIB = 2**30
-_STATE_COPIES = {"adamw": 2, "muon": 1}  # fp32 tensors of optimizer state per parameter
 
 
 @dataclass(kw_only=True)
@@ -113,7 +110,7 @@ def europa_wrap_optimizer(job):
 
     offload = job.state[NAME]
     needed = sum(
-        p.numel() * 4 * _STATE_COPIES[job.config.optimizer.name]
+        p.numel() * FP32 * STATE_TENSORS[job.config.optimizer.name]
         for group in job.optimizer.param_groups
         for p in group["params"]
     )
@@ -125,7 +122,6 @@ def europa_wrap_optimizer(job):
             "larger budget, more ranks or offload.optimizer_state = false"
         )
     job.optimizer = OffloadedOptimizer(job.optimizer, chunk_bytes=table.optimizer_chunk_mib << 20)
-    job.state[f"{NAME}.optimizer"] = job.optimizer
 
 
 @hookimpl

@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from europa.offload.errors import HostMemoryExceeded
+from europa.spec.units import GIB, MIB
 
-GIB = 2**30
 _MIN_CLASS = 4096
 
 
@@ -72,4 +72,4 @@ class HostBufferPool:
 
 
 def human(nbytes: float) -> str:
-    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / 2**20:.2f} MiB"
+    return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.2f} MiB"

@@ -32,9 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pluggy
-
-hookimpl = pluggy.HookimplMarker("europa")
+from europa.spec.hookspecs import hookimpl
 
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own
@@ -218,3 +216,11 @@ def europa_register_commands(app):
         written = write_trace(Path(run_dir), Path(out) if out else None)
         for path in written:
             print(path, file=sys.stdout)
+
+
+@hookimpl
+def europa_teardown(job, error):
+    """The timeline patched torch.distributed's collectives process-wide: put them back."""
+    run = job.state.get(NAME)
+    if run is not None and run.timeline is not None:
+        run.timeline.uninstall()

@@ -266,7 +266,6 @@ def _wrap(name: str, original: Callable) -> Callable:
         record.waited(started, time.perf_counter())
         return work
 
-    timed.europa_overlap_original = original
     return timed
 
 

@@ -8,11 +8,13 @@ from typing import Any
 
 from europa.report import series
 from europa.report.runs import RunData
+from europa.spec import metrics
+from europa.spec.units import MIB
 
-MIB = 1 << 20
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 TRAINING = "Training"
+VALIDATION = "Validation"
 SPEED = "Speed and memory"
 EXPERTS = "Expert load"
 
@@ -31,6 +33,7 @@ Axis = tuple[str, Column]  # its title, and what it reads from a run
 def all_charts(runs: list[RunData]) -> list[Chart]:
     charts = [
         *_training(runs),
+        *_validation(runs),
         *_speed_and_memory(runs),
         *_expert_load(runs),
         *_plugins(runs),
@@ -107,6 +110,24 @@ def _training(runs: list[RunData]) -> list[Chart]:
         _per_run(runs, "skipped_steps", TRAINING, "Steps skipped (non-finite loss or gradient)",
                  STEP, _key("skipped so far", "skipped_steps")),
     ]  # fmt: skip
+
+
+def _validation(runs: list[RunData]) -> list[Chart]:
+    """The held-out sequences' loss and perplexity, a point at each step that evaluated."""
+    charts = []
+    for key, title, y_title in ((metrics.VAL_LOSS, "Validation loss by step", "cross-entropy"),
+                                (metrics.VAL_PERPLEXITY, "Validation perplexity by step",
+                                 "perplexity")):  # fmt: skip
+        traces = []
+        for run in runs:
+            points = [(x, y) for x, y in zip(series.steps(run), series.column(run, key),
+                                             strict=True) if y is not None]  # fmt: skip
+            if points:
+                trace = _line(run.label, [x for x, _ in points], [y for _, y in points])
+                traces.append(trace | {"mode": "lines+markers"})
+        figure = {"data": traces, "layout": _layout(title, "step", y_title)}
+        charts.append(Chart(key, VALIDATION, figure))
+    return charts
 
 
 def _speed_and_memory(runs: list[RunData]) -> list[Chart]:

@@ -1,5 +1,7 @@
 """The one error a user can cause: a path that holds no run to report."""
 
+from europa.spec.errors import UserError
 
-class ReportError(ValueError):
-    europa_user_error = True  # europa prints it as one line and exits 2
+
+class ReportError(UserError):
+    """europa prints it as one line and exits 2."""

@@ -8,10 +8,9 @@ import webbrowser
 from pathlib import Path
 from typing import Annotated, Any
 
-import pluggy
 import typer
 
-hookimpl = pluggy.HookimplMarker("europa")
+from europa.spec.hookspecs import hookimpl
 
 
 @hookimpl

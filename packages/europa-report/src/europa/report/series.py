@@ -6,25 +6,8 @@ import math
 from typing import Any
 
 from europa.report.runs import RunData
+from europa.spec.metrics import CORE_KEYS  # every other numeric key is a plugin's
 
-# What core's trainer writes; every other numeric key belongs to a plugin.
-CORE_KEYS = frozenset(
-    {
-        "step",
-        "loss",
-        "lr",
-        "grad_norm",
-        "tokens_seen",
-        "tokens_per_s",
-        "step_time_s",
-        "memory_peak_bytes",
-        "expert_imbalance_max",
-        "expert_imbalance",
-        "expert_load",
-        "skipped",
-        "skipped_steps",
-    }
-)
 MAX_LINE_POINTS = 4000  # beyond this a line is drawn from means of consecutive records
 MAX_HEATMAP_COLUMNS = 400
 

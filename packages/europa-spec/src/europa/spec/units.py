@@ -1,7 +1,8 @@
-"""Byte sizes as people read them, for the planner's and the importer's messages."""
+"""Byte sizes: the binary units every package counts in, and sizes as people read them."""
 
 from __future__ import annotations
 
+MIB = 2**20
 GIB = 2**30
 _UNITS = (("TiB", 2**40), ("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10))
 

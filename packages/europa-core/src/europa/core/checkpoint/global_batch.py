@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+from europa.core.checkpoint.store import MARKER
 from europa.core.config.schema import TrainingConfig
 from europa.core.errors import CheckpointError, ConfigError
-from europa.core.train.checkpoint import MARKER
 
 KEY = "global_batch"
 

@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
+from europa.core.checkpoint.reader import load_restricted, read_metadata
 from europa.core.errors import CheckpointError, ConfigError, is_user_error
+from europa.core.launch.faults import root_exception
 from europa.core.run_dir import CHECKPOINTS
-from europa.core.train.checkpoint_reader import load_restricted, read_metadata
-from europa.core.train.faults import root_exception
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 MARKER = "europa-checkpoint.json"

@@ -16,9 +16,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import tomli
 import tomli_w
 
+from europa.core.config import toml
 from europa.core.config.fields import ConfigSection
 from europa.core.config.rules import check_cross_field_rules
 from europa.core.config.schema import CORE_SECTIONS, EuropaConfig
@@ -40,7 +40,7 @@ def _read_preset(name: str) -> dict[str, Any]:
     if name not in preset_names():
         raise fail("preset", name, "one of " + ", ".join(show(n) for n in preset_names()))
     text = resources.files("europa.core.config.presets").joinpath(f"{name}.toml").read_text()
-    return tomli.loads(text)
+    return toml.loads(text)
 
 
 def read_toml_file(path: str | Path) -> dict[str, Any]:
@@ -60,8 +60,11 @@ def read_toml_file(path: str | Path) -> dict[str, Any]:
             "UTF-8; expected a TOML file (UTF-8 text)"
         ) from None
     try:
-        return tomli.loads(text)
-    except (tomli.TOMLDecodeError, RecursionError) as err:  # tomli caps nesting with RecursionError
+        return toml.loads(text)
+    except (
+        toml.TOMLDecodeError,
+        RecursionError,
+    ) as err:  # nesting past its cap raises RecursionError
         raise ConfigError(f"config = {shown}: invalid TOML ({err})") from None
 
 
@@ -74,10 +77,10 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set {show(text)}: expected KEY=VALUE, e.g. training.steps=100")
     raw = raw.strip()
     try:
-        value = tomli.loads(f"v = {raw}")["v"]
-    except tomli.TOMLDecodeError:
+        value = toml.loads(f"v = {raw}")["v"]
+    except toml.TOMLDecodeError:
         value = raw
-    except RecursionError as err:  # tomli's cap on nested arrays and inline tables
+    except RecursionError as err:  # the cap on nested arrays and inline tables
         raise ConfigError(f"--set {show(key)}: {err}; expected a TOML value") from None
     return key.split("."), value
 

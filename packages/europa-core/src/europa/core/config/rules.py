@@ -38,7 +38,7 @@ _EXCHANGE_DEFAULTS = {
 
 def _check_expert_exchange(config: EuropaConfig) -> None:
     """The expert-exchange keys need expert parallelism; the node limit needs routing
-    groups that follow the nodes. What needs the world size: ``train.distributed``."""
+    groups that follow the nodes. What needs the world size: ``europa.core.launch.distributed``."""
     m, p = config.model, config.parallel
     if p.ep == 1:
         for key, default in _EXCHANGE_DEFAULTS.items():

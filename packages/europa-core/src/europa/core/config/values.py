@@ -16,7 +16,7 @@ from europa.core.errors import ConfigError
 
 
 def show(value: Any) -> str:
-    """A value as it would be written in TOML (any value ``tomli`` can return)."""
+    """A value as it would be written in TOML (any value ``tomllib`` can return)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):

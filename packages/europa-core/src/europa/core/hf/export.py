@@ -4,7 +4,7 @@
 Design note. One process streams the checkpoint shard by shard: the output
 files are planned from the shapes alone, then for each file DCP reads just the
 tensors it holds (a run of experts is one region of a stacked ``[E, out, in]``
-tensor, read through ``_Region``, DCP's own chunk protocol), which are written
+tensor, read through ``OwnedChunk``, DCP's own chunk protocol), which are written
 and dropped. So the most a process holds is one output file's worth of
 tensors, whatever layout (FSDP2 or FlexShard) and world size wrote the
 checkpoint. The folder is written as ``.NAME.partial`` and renamed when
@@ -23,39 +23,15 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
+from europa.core.checkpoint.reader import load_restricted, read_metadata
 from europa.core.errors import CheckpointError, ConfigError
 from europa.core.hf.config_map import check_exportable, hf_config_from_model
 from europa.core.hf.names import Source, hf_tensors, name_map
 from europa.core.hf.reader import INDEX
-from europa.core.train.checkpoint_reader import load_restricted, read_metadata
+from europa.spec.dcp import OwnedChunk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-class _Region(torch.Tensor):
-    """A full-shaped tensor of which only ``local`` at ``offsets`` is wanted: DCP reads
-    exactly that chunk into ``local``. Any operation on the wrapper itself fails."""
-
-    @staticmethod
-    def __new__(cls, size: torch.Size, local: torch.Tensor, offsets: tuple[int, ...]):
-        region = torch.Tensor._make_wrapper_subclass(
-            cls, size, dtype=local.dtype, device=local.device, requires_grad=False
-        )
-        region._local = local
-        region._offsets = offsets
-        return region
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError(f"_Region only receives a checkpoint chunk; {func} is not supported")
-
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
-        return [ChunkStorageMetadata(torch.Size(self._offsets), self._local.size())]
-
-    def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
-        return self._local
 
 
 @dataclass
@@ -114,7 +90,7 @@ def _read_file(path: Path, file: _File, shapes, present: set[str]) -> dict[str, 
         if len(shape) == 3:
             first = run[0].index
             local = torch.empty(len(run), *shape[1:])
-            state[f"model.{name}"] = _Region(shape, local, (first, 0, 0))
+            state[f"model.{name}"] = OwnedChunk(shape, local, (first, 0, 0))
         else:
             local = torch.empty(shape)
             state[f"model.{name}"] = local
@@ -141,7 +117,7 @@ def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
-    from europa.core.train.checkpoint import complete_checkpoints
+    from europa.core.checkpoint.store import complete_checkpoints
 
     done = complete_checkpoints(run_dir)
     if not done:

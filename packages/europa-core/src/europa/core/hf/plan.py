@@ -25,7 +25,7 @@ from europa.core.hf.names import hf_tensors, name_map
 from europa.core.hf.reader import INDEX, SINGLE, HFCheckpoint
 from europa.core.plan.planner import plugin_plan
 from europa.core.plan.shapes import ModelShapes
-from europa.core.units import human
+from europa.spec.units import human
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

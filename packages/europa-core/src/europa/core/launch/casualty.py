@@ -12,10 +12,10 @@ import os
 import signal
 from pathlib import Path
 
-from europa.core.train.checkpoint import latest_checkpoint
-from europa.core.train.progress import read_progress
+from europa.core.checkpoint.store import latest_checkpoint
+from europa.core.launch.progress import read_progress
 
-WORKER_MODULE = "europa.core.train.worker"
+WORKER_MODULE = "europa.core.launch.worker"
 
 
 def _how(exit_code: int) -> str:

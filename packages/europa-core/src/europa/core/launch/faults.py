@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from europa.core.errors import LostContact, is_user_error
-from europa.core.train.progress import RankProgress
+from europa.core.launch.progress import RankProgress
 
 # gloo raises a plain RuntimeError whose message points into its transport code
 # ("Connection reset by peer", "Timed out waiting 600000ms for recv ..."); NCCL and the

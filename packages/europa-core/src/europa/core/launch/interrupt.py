@@ -16,7 +16,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from europa.core.train.casualty import kill_workers, live_workers
+from europa.core.launch.casualty import kill_workers, live_workers
 
 
 class ForwardedInterrupts:

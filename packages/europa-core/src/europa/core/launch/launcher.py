@@ -13,6 +13,12 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from europa.core.checkpoint.global_batch import check_global_batch
+from europa.core.checkpoint.store import (
+    check_compatible,
+    checkpoint_to_resume,
+    latest_checkpoint,
+)
 from europa.core.config import EuropaConfig
 from europa.core.errors import (
     LaunchedRunError,
@@ -22,26 +28,8 @@ from europa.core.errors import (
     is_user_error,
 )
 from europa.core.job import Job
-from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import (
-    CACHE,
-    CONFIG_FILE,
-    PROGRESS,
-    SUMMARY_FILE,
-    WORKER_ERRORS,
-    check_run_dir,
-    default_run_dir,
-    prepare_run_dir,
-    worker_error_file,
-)
-from europa.core.train.batches import build_batches
-from europa.core.train.casualty import WORKER_MODULE, describe_failure, next_step
-from europa.core.train.checkpoint import (
-    check_compatible,
-    checkpoint_to_resume,
-    latest_checkpoint,
-)
-from europa.core.train.distributed import (
+from europa.core.launch.casualty import WORKER_MODULE, describe_failure, next_step
+from europa.core.launch.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
@@ -50,11 +38,22 @@ from europa.core.train.distributed import (
     mesh_shape,
     ranks_per_node,
 )
-from europa.core.train.global_batch import check_global_batch
-from europa.core.train.interrupt import ForwardedInterrupts
-from europa.core.train.nodes import Nodes
+from europa.core.launch.interrupt import ForwardedInterrupts
+from europa.core.launch.nodes import Nodes
+from europa.core.launch.prepare import check_run_dir, prepare_run_dir
+from europa.core.launch.restart import is_restart, resumes
+from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.run_dir import (
+    CACHE,
+    CONFIG_FILE,
+    PROGRESS,
+    SUMMARY_FILE,
+    WORKER_ERRORS,
+    default_run_dir,
+    worker_error_file,
+)
+from europa.core.train.batches import build_batches
 from europa.core.train.resources import check_fits
-from europa.core.train.restart import is_restart, resumes
 
 # How long a stop signal leaves workers to finish a step and checkpoint
 # before the launcher kills them.
@@ -65,12 +64,12 @@ def preflight(
     config: EuropaConfig,
     plugins: EuropaPluginManager,
     world_size: int,
-    resume_from: Path | None = None,
+    resume_point: tuple[int, Path] | None = None,
     run_dir: Path | None = None,
-    from_older: bool = False,
     local_ranks: int | None = None,
 ) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later.
+    ``resume_point``: the checkpoint (step, path) a resumed run continues from.
 
     With ``run_dir``, also open the data as the workers will, preparing text into the run
     directory's cache (a directory holding only that cache still counts as new).
@@ -88,9 +87,9 @@ def preflight(
     if on_cpu:  # local workers share this machine's memory; GPU ranks check their own
         check_fits(config, plugins, torch.device("cpu"), world_size, per_node, model=model,
                    ranks_per_node=job.node_size)  # fmt: skip
-    if resume_from is not None:
-        _, path = checkpoint_to_resume(resume_from, config.training.steps, from_older=from_older)
-        newest = latest_checkpoint(resume_from)
+    if resume_point is not None:
+        _, path = resume_point
+        newest = latest_checkpoint(path.parents[1])  # RUN_DIR/checkpoints/step-N
         if newest is not None and newest[1] != path:
             print(
                 f"europa: {newest[1].name} is damaged; resuming from {path.name}",
@@ -135,17 +134,17 @@ def train(
         )
     world = per_node * nodes.count
     run_dir = run_dir or default_run_dir(config)
-    resume_from = run_dir if resume else None
     if nodes.prepares_run_dir:
-        # before preflight writes its data cache there
-        check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+        # before preflight writes its data cache there; the one choice of the checkpoint
+        point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
         with _undone_on_bad_input(run_dir):
-            preflight(
-                config, plugins, world, resume_from, run_dir, from_older, local_ranks=per_node
-            )
-        prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
+            preflight(config, plugins, world, point, run_dir, local_ranks=per_node)
+        prepare_run_dir(config, run_dir, resume=resume, checked=True)
     else:  # node 0 writes the run directory; its workers wait for ours at the rendezvous
-        preflight(config, plugins, world, resume_from, None, from_older, local_ranks=per_node)
+        point = None
+        if resume:
+            point = checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
+        preflight(config, plugins, world, point, None, local_ranks=per_node)
     if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
 

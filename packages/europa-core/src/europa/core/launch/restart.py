@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from europa.core.train.checkpoint import latest_checkpoint
-from europa.core.train.distributed import restart_attempt
+from europa.core.checkpoint.store import latest_checkpoint
+from europa.core.launch.distributed import restart_attempt
 
 
 def is_restart(environ: dict[str, str] | None = None) -> bool:

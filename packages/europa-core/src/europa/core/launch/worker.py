@@ -20,13 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rank = int(os.environ.get("RANK", "0"))
     try:
-        from europa.core.train.progress import RankProgress
+        from europa.core.launch.progress import RankProgress
 
         RankProgress(args.run_dir, rank).mark("starting")  # the pid, for the launcher
+        from europa.core.launch.distributed import detect_launcher
+        from europa.core.launch.restart import resumes
         from europa.core.session import load_run_config
-        from europa.core.train.distributed import detect_launcher
         from europa.core.train.loop import run_training
-        from europa.core.train.restart import resumes
 
         config, plugins = load_run_config(args.run_dir)
         place = detect_launcher()

@@ -4,8 +4,7 @@ torchtitan's ``GroupedExperts`` casts activations and weights to bf16 for
 ``torch._grouped_mm``, which is right for Hopper. In an fp32 run that cast
 silently turns most of an MoE's FLOPs into bf16: results differ from the rest
 of the fp32 model, and exactness checks (resume, recomputation, accumulation)
-no longer hold. Whether it is faster depends on the CPU (one
-without bf16 units ran it about 3x slower, one with AVX512-BF16 faster);
+would not hold. Whether it is faster depends on the CPU's bf16 units;
 ``benchmarks/expert_dtype.py`` measures both paths on the machine at hand.
 This subclass keeps the same parameters (names, shapes, init) and the same
 grouped matmul, minus the cast, so checkpoints are interchangeable; bf16 runs

@@ -7,8 +7,8 @@ slower: ``benchmarks/expert_dtype.py`` measures the bf16 matmul on your machine)
 and it does not know that a sharded matrix must be whole
 before it is orthogonalised. This implementation uses the same quintic
 Newton–Schulz iteration and coefficients in the parameter's dtype, treats a
-3-D parameter as a batch of independent matrices, and works on FSDP2's
-DTensor shards:
+3-D parameter as a batch of independent matrices (``europa.spec.muon``, which
+every layout shares), and works on FSDP2's DTensor shards:
 
 * a parameter sharded along its expert dimension holds whole matrices
   locally, so it is orthogonalised with no communication;
@@ -22,30 +22,14 @@ arXiv:2502.16982).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from torch.optim.adamw import adamw
 
-NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+from europa.spec.muon import adamw_state, adamw_update, orthogonalise, rms_matching_scale
 
-
-def orthogonalise(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
-    """Approximate U V^T of each matrix in ``[..., rows, cols]`` (quintic Newton–Schulz)."""
-    a, b, c = NS_COEFFICIENTS
-    x = matrices.float()
-    transposed = x.size(-2) > x.size(-1)
-    if transposed:
-        x = x.mT
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
-    for _ in range(steps):
-        gram = x @ x.mT
-        x = a * x + (b * gram + c * gram @ gram) @ x
-    if transposed:
-        x = x.mT
-    return x.to(matrices.dtype)
+__all__ = ["MuonWithAdamW", "orthogonalise"]
 
 
 def _holds_whole_matrices(param: DTensor) -> bool:
@@ -67,11 +51,6 @@ def _orthogonalised_update(update: torch.Tensor, steps: int) -> torch.Tensor:
         )
     full = orthogonalise(update.full_tensor(), steps)
     return distribute_tensor(full, update.device_mesh, update.placements, src_data_rank=None)
-
-
-def rms_matching_scale(shape: torch.Size) -> float:
-    rows, cols = shape[-2], shape[-1]
-    return 0.2 * math.sqrt(max(rows, cols))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -128,29 +107,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
         param.add_(update, alpha=-group["lr"] * rms_matching_scale(param.shape))
 
     def _adamw_update(self, params: list[torch.Tensor], group: dict) -> None:
-        """torch's fused AdamW kernel on the whole group: the same update as
-        ``torch.optim.AdamW``, one kernel per tensor."""
+        """torch's fused AdamW kernel on the whole group (``europa.spec.muon``)."""
         for param in params:
-            state = self.state[param]
-            if "step" not in state:
-                state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
-                state["exp_avg"] = torch.zeros_like(param)
-                state["exp_avg_sq"] = torch.zeros_like(param)
-        states = [self.state[p] for p in params]
-        beta1, beta2 = group["betas"]
-        adamw(
+            if "step" not in self.state[param]:
+                self.state[param].update(adamw_state(param))
+        adamw_update(
             params,
-            [p.grad for p in params],
-            [s["exp_avg"] for s in states],
-            [s["exp_avg_sq"] for s in states],
-            [],
-            [s["step"] for s in states],
-            fused=True,
-            amsgrad=False,
-            beta1=beta1,
-            beta2=beta2,
+            [self.state[p] for p in params],
             lr=group["lr"],
-            weight_decay=group["weight_decay"],
+            betas=group["betas"],
             eps=group["eps"],
-            maximize=False,
+            weight_decay=group["weight_decay"],
         )

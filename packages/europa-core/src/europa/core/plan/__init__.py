@@ -2,7 +2,7 @@
 
 from europa.core.plan.hardware import HardwareProfile, load_profile, shipped_profiles, this_machine
 from europa.core.plan.planner import Plan, make_plan
-from europa.core.units import human
+from europa.spec.units import human
 
 __all__ = [
     "HardwareProfile",

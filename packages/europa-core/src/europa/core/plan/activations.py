@@ -4,8 +4,8 @@ block, itemised, for one micro-batch on one rank.
 Design note. The list below is the set of tensors torchtitan 0.3.0's
 DeepSeek-V3 block (as europa builds it: SDPA attention, MLA, routed + shared
 experts) hands to ``saved_tensors_hooks``, one entry per distinct storage,
-parameters excluded. It was read off those hooks on CPU, in fp32 and with bf16
-parameters, and ``tests/europa_core/test_plan_activations.py`` holds the two
+parameters excluded, as those hooks report it on CPU in fp32 and with bf16
+parameters; ``tests/europa_core/test_plan_activations.py`` holds the two
 together. What depends on the dtype:
 
 * RMSNorm computes in fp32: it keeps an fp32 copy of its input (the input

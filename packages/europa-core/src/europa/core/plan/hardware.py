@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-import tomli
-
+from europa.core.config import toml
 from europa.core.errors import ConfigError
-from europa.core.units import GIB
+from europa.spec.units import GIB
 
 _SHIPPED = "europa.core.plan.profiles"
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,12 +40,20 @@ class HardwareProfile:
     intra_node_efficiency: float | None = None
     inter_node_efficiency: float | None = None
     host_device_efficiency: float | None = None
+    # Per link and collective ("all_gather", "reduce_scatter", "all_reduce", "all_to_all"),
+    # where measured: libraries run each at its own share of the link (gloo's all-reduce
+    # beats its reduce-scatter several times over). A collective not listed uses the link's.
+    intra_node_collectives: dict[str, float] | None = None
+    inter_node_collectives: dict[str, float] | None = None
 
-    def bandwidth(self, link: str) -> float:
+    def bandwidth(self, link: str, collective: str | None = None) -> float:
         """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device"),
-        its efficiency applied."""
+        its efficiency (for ``collective``, where the profile has one) applied."""
         peak = getattr(self, f"{link}_gbps") * 1e9
         efficiency = getattr(self, f"{link}_efficiency")
+        by_collective = getattr(self, f"{link}_collectives", None) or {}
+        if collective in by_collective:
+            efficiency = by_collective[collective]
         return peak * (self.link_efficiency if efficiency is None else efficiency)
 
     def device_bytes_per_rank(self, ranks_per_node: int) -> int:
@@ -90,8 +98,8 @@ def load_profile(name_or_path: str) -> HardwareProfile:
             )
         text = resources.files(_SHIPPED).joinpath(f"{name_or_path}.toml").read_text()
     try:
-        table = tomli.loads(text)
-    except tomli.TOMLDecodeError as err:
+        table = toml.loads(text)
+    except (toml.TOMLDecodeError, RecursionError) as err:
         raise ConfigError(f"--hardware = {name_or_path!r}: not valid TOML ({err})") from None
     return profile_from_table(table, name_or_path)
 
@@ -132,6 +140,14 @@ def _check_value(source: str, key: str, value) -> None:
             )
         for dtype, tflops in value.items():
             _check_value(source, f"peak_tflops.{dtype}", tflops)
+    elif key.endswith("_collectives"):
+        if not isinstance(value, dict) or not set(value) <= set(COLLECTIVES):
+            raise ConfigError(
+                f"hardware {source!r}: {key} = {value!r}; expected a table of efficiencies "
+                f"by collective, among {', '.join(COLLECTIVES)}"
+            )
+        for collective, efficiency in value.items():
+            _check_value(source, f"{key}.{collective}", efficiency)
     elif key == "gpus_per_node":
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected an integer >= 1")
@@ -141,7 +157,7 @@ def _check_value(source: str, key: str, value) -> None:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number >= 0")
         if positive and value == 0:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number > 0")
-        if key.endswith("efficiency") and value > 1:
+        if (key.endswith("efficiency") or "_collectives." in key) and value > 1:
             raise ConfigError(
                 f"hardware {source!r}: {key} = {value!r}; expected a share of the peak, in (0, 1]"
             )

@@ -10,10 +10,11 @@ Design note. A shipped profile holds vendor peaks and the share of them a step g
   (model FLOPs over its time, no communication) against that peak, in the training
   dtype. So the attention, the elementwise work and the per-layer Python cost of the
   step are in it, as the planner's compute time needs them.
-* per link, ``*_gbps``: the best bandwidth of all-gather, reduce-scatter and
-  all-to-all at large messages (bytes sent per rank, as ``europa.core.plan.traffic``
-  counts them); ``*_efficiency``: their mean at the sizes one step sends (a block's
-  gather, its gradient reduce-scatter, one MoE layer's token exchange) over it.
+* per link, ``*_gbps``: the best bandwidth of all-gather, reduce-scatter, all-reduce
+  and all-to-all at large messages (bytes sent per rank, as ``europa.core.plan.traffic``
+  counts them); ``*_collectives``: each one's at the sizes one step sends (a block's
+  gather, its gradient reduce-scatter and all-reduce, one MoE layer's token exchange)
+  over it, and ``*_efficiency`` their mean (for a collective the table lacks).
   ``intra_node`` is measured among the ranks of this node; ``inter_node`` among one
   rank per node when the launcher started several nodes, else kept from the base
   profile (and the file says so).
@@ -38,9 +39,10 @@ import torch.distributed as dist
 
 from europa.core.plan.hardware import HardwareProfile
 from europa.core.plan.shapes import ModelShapes
-from europa.core.units import GIB
+from europa.spec.units import GIB
 
 MIN_SECONDS = 0.2  # each figure: repeated until this long, at least twice
+MODEL_STEP_REPEATS = 5  # the model's own step, whose median a noisy machine sways most
 LARGE_MESSAGE = 64 << 20
 LARGE_GEMM = {"cpu": 1024, "cuda": 8192}
 WHOLE_MODEL_PARAMETERS = 2_000_000_000
@@ -57,16 +59,19 @@ class Measured:
     notes: list[str] = field(default_factory=list)
 
 
-def timed(fn: Callable[[], None], sync: Callable[[], None], group=None) -> float:
-    """Median seconds of ``fn`` over repeats lasting at least ``MIN_SECONDS``. With a
-    ``group`` (``fn`` a collective) its ranks agree on the count: the most any needs."""
+def timed(
+    fn: Callable[[], None], sync: Callable[[], None], group=None, min_repeats: int = 2
+) -> float:
+    """Median seconds of ``fn`` over repeats lasting at least ``MIN_SECONDS`` (and at
+    least ``min_repeats``). With a ``group`` its ranks agree on the count, the most any
+    needs, so they run side by side to the end."""
     fn()
     sync()  # warm-up
     start = time.perf_counter()
     fn()
     sync()
     times = [time.perf_counter() - start]
-    repeats = torch.tensor([max(2, math.ceil(MIN_SECONDS / max(times[0], 1e-9)))])
+    repeats = torch.tensor([max(min_repeats, math.ceil(MIN_SECONDS / max(times[0], 1e-9)))])
     if group is not None:
         dist.all_reduce(repeats, op=dist.ReduceOp.MAX, group=group)
     for _ in range(int(repeats) - 1):
@@ -142,7 +147,8 @@ def measure_model_step(config, device, sync) -> dict[str, float]:
         logits = model(inputs)
         F.cross_entropy(logits.flatten(0, 1).float(), inputs.flatten()).backward()
 
-    seconds = timed(step, sync)
+    dist.barrier()  # every rank computes at once, sharing the machine as training does
+    seconds = timed(step, sync, dist.group.WORLD, min_repeats=MODEL_STEP_REPEATS)
     tokens = training.batch_size * training.seq_len
     flops = model_flops_per_token(ModelShapes.of(model), m, training.seq_len) * tokens
     return {"seconds": seconds, "tflops": flops / seconds / 1e12, "layers": m.n_layers}
@@ -154,9 +160,7 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
     elements = max(n, nbytes // 4 // n * n)
     full = torch.ones(elements, device=device)
     piece = torch.ones(elements // n, device=device)
-    # torch 2.13's names; the GPU machines' older torch has only the earlier ones
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    gather, scatter = dist.all_gather_single, dist.reduce_scatter_single
     if kind == "all_gather":
 
         def run():
@@ -165,6 +169,10 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
 
         def run():
             scatter(piece, full, group=group)
+    elif kind == "all_reduce":
+
+        def run():
+            dist.all_reduce(full, group=group)
     else:
         received = torch.empty_like(full)
 
@@ -172,8 +180,9 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
             dist.all_to_all_single(received, full, group=group)
 
     seconds = timed(run, lambda: (sync(), dist.barrier(group=group)), group)
-    # sent to the others: a ring all-gather's or reduce-scatter's share, an all-to-all's
-    return elements * 4 * (n - 1) / n / seconds
+    # sent to the others: a ring all-gather's or reduce-scatter's share, an all-to-all's,
+    # twice that for an all-reduce (as ``europa.core.plan.traffic`` counts them)
+    return (2 if kind == "all_reduce" else 1) * elements * 4 * (n - 1) / n / seconds
 
 
 def measure_link(group, step_bytes: dict[str, int], device, sync) -> dict:
@@ -188,12 +197,13 @@ def measure_link(group, step_bytes: dict[str, int], device, sync) -> dict:
     return out
 
 
-def link_figures(measured: dict) -> tuple[float, float]:
-    """(the best large-message bandwidth, the mean step-size efficiency against it)."""
+def link_figures(measured: dict) -> tuple[float, float, dict[str, float]]:
+    """(the best bandwidth seen, the mean step-size efficiency against it, each
+    collective's step-size efficiency against it)."""
     peak = max(m["large_gbps"] for m in measured.values())
     peak = max(peak, *(m["step_gbps"] for m in measured.values()))
-    efficiency = statistics.mean(m["step_gbps"] for m in measured.values()) / peak
-    return peak, min(1.0, efficiency)
+    each = {kind: round(m["step_gbps"] / peak, 4) for kind, m in measured.items()}
+    return peak, statistics.mean(each.values()), each
 
 
 def measure_host_device(device, sync) -> float:
@@ -223,6 +233,7 @@ def step_message_bytes(shapes: ModelShapes, config) -> dict[str, int]:
     return {
         "all_gather": block * compute,
         "reduce_scatter": block * 4,
+        "all_reduce": block * 4,  # a block's gradients, as replicas sum them
         "all_to_all": tokens * model.top_k * model.dim * compute,
     }
 
@@ -263,11 +274,10 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
             found.notes.append(f"{link}: {why_not}, kept from the base profile")
             continue
         found.links[link] = measure_link(group, messages, device, sync)
-        gbps, efficiency = link_figures(found.links[link])
-        profile[f"{link}_gbps"], profile[f"{link}_efficiency"] = (
-            round(gbps, 4),
-            round(efficiency, 4),
-        )
+        gbps, efficiency, each = link_figures(found.links[link])
+        profile[f"{link}_gbps"] = round(gbps, 4)
+        profile[f"{link}_efficiency"] = round(efficiency, 4)
+        profile[f"{link}_collectives"] = each
     found.host_device_gbps = measure_host_device(device, sync)
     device_gib, host_gib = _memory(device)
     dtype = training.dtype
@@ -316,8 +326,8 @@ def profile_toml(profile: HardwareProfile, found: Measured, command: str) -> str
         f"# Measured by `{command}`.",
         "# peak_tflops: the best matmul rate seen; matmul_efficiency: the model's forward",
         "# and backward on one micro-batch over it. *_gbps: the best of all-gather,",
-        "# reduce-scatter and all-to-all at 64 MiB; *_efficiency: their mean at one",
-        "# step's message sizes over that.",
+        "# reduce-scatter, all-reduce and all-to-all at 64 MiB; *_collectives: each at",
+        "# one step's message sizes over that; *_efficiency: their mean.",
         *(f"# {note}" for note in found.notes),
     ]
     return "\n".join(header) + "\n" + tomli_w.dumps(table)
@@ -335,7 +345,7 @@ def run_measurement(config, base: HardwareProfile, out: str | None, command: str
     ranks of this machine (``parallel.ranks_per_node`` of them a node)."""
     import torch.multiprocessing as mp
 
-    from europa.core.train.distributed import check_node_layout, free_port, ranks_per_node
+    from europa.core.launch.distributed import check_node_layout, free_port, ranks_per_node
 
     here = launched()
     world = int(os.environ["WORLD_SIZE"]) if here else config.parallel.nproc
@@ -352,8 +362,7 @@ def run_measurement(config, base: HardwareProfile, out: str | None, command: str
 def _rank_main(rank, world, per_node, config, base, out, command, address) -> None:
     import json
 
-    import tomli
-
+    from europa.core.config import toml
     from europa.core.model import build_moe_model
     from europa.core.plan.hardware import profile_from_table
 
@@ -372,7 +381,7 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
         profile, found = measure(config, shapes, base, device, per_node)
         if rank == 0:
             text = profile_toml(profile, found, command)
-            profile_from_table(tomli.loads(text), "measured")  # it loads back
+            profile_from_table(toml.loads(text), "measured")  # it loads back
             if out:
                 with open(out, "w") as f:
                     f.write(text)

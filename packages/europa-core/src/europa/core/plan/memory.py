@@ -14,9 +14,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
-
-FP32 = 4
-STEP_COUNTER = 4  # AdamW's step is an fp32 scalar tensor per parameter
+from europa.spec.optim import FP32, optimizer_state_bytes
 
 
 @dataclass(frozen=True)
@@ -31,7 +29,7 @@ class RankState:
     def of(cls, layout: dict) -> RankState:
         stored = [n * FP32 for n in layout["stored_elements"]]
         optimizer = [
-            FP32 * muon + 2 * FP32 * adamw + STEP_COUNTER * layout["adamw_tensors"]
+            optimizer_state_bytes(muon, adamw, layout["adamw_tensors"])
             for muon, adamw in zip(layout["muon_elements"], layout["adamw_elements"], strict=True)
         ]
         return cls(parameters=stored, gradients=list(stored), optimizer_state=optimizer)

@@ -17,9 +17,10 @@ from typing import Any
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import PluginError, ResourceError
 from europa.core.job import Job
+from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
 from europa.core.plan.hardware import HardwareProfile
-from europa.core.plan.layout import FSDP2, fsdp2_layout
+from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
     Activations,
     HostOffload,
@@ -34,10 +35,9 @@ from europa.core.plan.timing import (
     model_flops_per_token,
     step_time,
 )
-from europa.core.plan.traffic import HOST, INTER, INTRA, Traffic, step_traffic
-from europa.core.plugins.builtin.fsdp import data_parallel_form
-from europa.core.train.distributed import check_node_layout, mesh_shape
-from europa.core.units import human
+from europa.core.plan.traffic import Traffic, step_traffic
+from europa.spec.layout import Layout
+from europa.spec.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode
 _CORE_KEYS = {
@@ -177,6 +177,8 @@ def plugin_plan(
     if hardware is not None:
         plan["hardware"] = hardware.as_dict()
     plugins.hook.europa_plan(job=job, plan=plan)
+    owner = plan["layout"].get("owner", "?") if isinstance(plan["layout"], dict) else "?"
+    Layout.parse(plan["layout"], owner)  # the contract, checked once: one line if broken
     if plan["layout"]["owner"] == FSDP2 and ep > 1:
         raise PluginError(
             f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
@@ -244,7 +246,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
     head = 2 * model_cfg.vocab_size * model_cfg.dim
     recompute_flops = per_token // 3 - head if recompute else 0
-    bandwidth = {link: hardware.bandwidth(link) for link in (INTRA, INTER, HOST)}
+    bandwidth = {(t.link, t.collective): hardware.bandwidth(t.link, t.collective) for t in traffic}
     # "With overlap": what europa-overlap says it hides, or (not enabled) every
     # kind that can run beside compute, as the estimate of what it would give.
     overlappable = tuple(t.kind for t in traffic if t.overlappable)

@@ -6,7 +6,7 @@ from typing import Any
 
 from europa.core.plan.planner import Plan
 from europa.core.plan.timing import StepTime
-from europa.core.units import human
+from europa.spec.units import human
 
 
 def _step(t: StepTime, tokens_per_step: int) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from europa.core.config.schema import EuropaConfig
+from europa.core.errors import is_user_error
 from europa.core.plan.planner import Plan
 from europa.core.session import open_session
 
@@ -184,7 +185,7 @@ def search_layouts(
             config, _ = open_session(source, settings, (), manager)
             plan = plan_for(config, manager)
         except Exception as err:
-            if not getattr(err, "europa_user_error", False):
+            if not is_user_error(err):
                 raise
             skipped += 1
             continue
@@ -219,7 +220,7 @@ def proposals_json(result: SearchResult, shown: int = SHOWN) -> list[dict[str, A
 
 
 def proposals_table(result: SearchResult, shown: int = SHOWN) -> str:
-    from europa.core.units import human
+    from europa.spec.units import human
 
     lines = [
         f"the fastest {min(shown, len(result.proposals))} that fit (planned, not measured); "

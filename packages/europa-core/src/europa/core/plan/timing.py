@@ -5,7 +5,7 @@ Model FLOPs per token: ``6 ×`` the matrix-multiply parameters a token touches
 attention, ``6 × heads × (qk + v head dims) × seq_len / 2`` per layer. Hardware
 FLOPs add the forward again when blocks are recomputed. Compute time is
 hardware FLOPs over ``peak × matmul_efficiency``; each link moves its bytes at
-``bandwidth × link_efficiency``.
+its bandwidth times its efficiency (the collective's own, where the profile has one).
 
 Communication is exposed (adds to the step) unless it can overlap. Without
 europa-overlap, the layouts prefetch parameter gathers and overlap gradient
@@ -24,7 +24,8 @@ from dataclasses import dataclass
 
 from europa.core.config.schema import ModelConfig
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.traffic import LAST_BACKWARD, Traffic
+from europa.core.plan.traffic import Traffic
+from europa.spec.layout import LAST_BACKWARD
 
 LAYOUT_OVERLAPPED = (
     "parameter_gather",
@@ -67,7 +68,7 @@ def step_time(
     peak_flops: float,
     matmul_efficiency: float,
     traffic: list[Traffic],
-    bandwidth: dict[str, float],  # bytes/s per link, efficiency applied
+    bandwidth: dict[tuple[str, str | None], float],  # bytes/s per (link, collective)
     overlapped_kinds: tuple[str, ...],
     micro_batches: int = 1,
 ) -> StepTime:
@@ -75,7 +76,8 @@ def step_time(
     # The last micro-batch's backward, its recomputed forward included: all but the
     # forward's third of the model FLOPs.
     last_backward = compute * (1 - model_flops / 3 / hardware_flops) / micro_batches
-    seconds = {(t.kind, t.link): t.bytes_per_step / bandwidth[t.link] for t in traffic}
+    rate = {(t.kind, t.link): bandwidth[t.link, t.collective] for t in traffic}
+    seconds = {(t.kind, t.link): t.bytes_per_step / rate[t.kind, t.link] for t in traffic}
     per_link: dict[str, list[float]] = {}  # [all of it, last-backward only, tail]
     exposed = 0.0
     for t in traffic:
@@ -84,7 +86,7 @@ def step_time(
             link[0] += seconds[t.kind, t.link]
             if t.window == LAST_BACKWARD:
                 link[1] += seconds[t.kind, t.link]
-            link[2] += t.tail_bytes / bandwidth[t.link]
+            link[2] += t.tail_bytes / rate[t.kind, t.link]
         else:
             exposed += seconds[t.kind, t.link]
     # A link exposes what exceeds the compute beside it, what of the last backward's sums

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from europa.spec.layout import STEP
+
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
 
 
@@ -26,7 +28,15 @@ def ring_share(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
-STEP, LAST_BACKWARD = "step", "last_backward"
+# The collective each kind of traffic is (a hardware profile may rate each on its own).
+COLLECTIVE = {
+    "parameter_gather": "all_gather",
+    "optimizer_step": "all_gather",
+    "gradient_reduce_scatter": "reduce_scatter",
+    "gradient_replica_all_reduce": "all_reduce",
+    "expert_gradient_all_reduce": "all_reduce",
+    "expert_all_to_all": "all_to_all",
+}
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,10 @@ class Traffic:
     # start when that backward ends (the gradient that completes last).
     window: str = STEP
     tail_bytes: int = 0
+
+    @property
+    def collective(self) -> str | None:
+        return COLLECTIVE.get(self.kind)
 
 
 def step_traffic(
@@ -56,7 +70,9 @@ def step_traffic(
 ) -> list[Traffic]:
     group = layout["gather_group_size"]
     shard_link = contiguous_link(group, gpus_per_node)
-    units = layout["gathered_unit_elements"]
+    # What each gather and reduce-scatter moves: the unit, or its padded rows where the
+    # ranks' shares differ (FlexShard's whole matrices).
+    units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
     # Blocks are gathered for forward and again for backward; the root stays
     # gathered between the two.
     passes = sum(n * (1 if unit == "<root>" else 2) for unit, n in units.items())

@@ -29,12 +29,12 @@ from typing import Any
 
 import pluggy
 
-from europa.core import hookspecs
 from europa.core.config.declared import declared_sections
 from europa.core.config.fields import ConfigSection
 from europa.core.config.loader import CORE_OWNER
 from europa.core.config.schema import CORE_SECTIONS
 from europa.core.errors import PluginError
+from europa.spec import hookspecs
 
 ENTRY_POINT_GROUP = "europa"
 DISABLE_ENV = "EUROPA_DISABLE_PLUGINS"
@@ -156,7 +156,7 @@ class EuropaPluginManager:
     def _invalid(name: str, dist: str, err: pluggy.PluginValidationError) -> PluginError:
         return PluginError(
             f"plugin {name!r} from {dist} does not match the europa hook specs ({err}); "
-            f"expected hooks as in europa.core.hookspecs (set {DISABLE_ENV}={name} to skip it)"
+            f"expected hooks as in europa.spec.hookspecs (set {DISABLE_ENV}={name} to skip it)"
         )
 
     # -- enabling -----------------------------------------------------------------------
@@ -237,8 +237,17 @@ class EuropaPluginManager:
                     sections.append(section)
         return sections
 
-    def builtin_owners(self) -> set[str]:
-        return {CORE_OWNER}
+    def teardown(self, job: Any, error: BaseException | None) -> BaseException | None:
+        """Call every enabled ``europa_teardown``, each even if another raises (pluggy
+        would stop at the first); return the first exception one raised, if any."""
+        first = None
+        for impl in reversed(self.hook.europa_teardown.get_hookimpls()):
+            given = {"job": job, "error": error}
+            try:
+                impl.function(*(given[name] for name in impl.argnames))
+            except Exception as err:
+                first = first or err
+        return first
 
     def plugins(self) -> list[PluginInfo]:
         from europa.core import __version__

@@ -17,16 +17,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from europa.core.checkpoint import store as checkpoint
+from europa.core.checkpoint.global_batch import KEY as GLOBAL_BATCH
+from europa.core.checkpoint.global_batch import check_global_batch, global_batch
 from europa.core.config.schema import EuropaConfig
 from europa.core.hf.load import HFInitialiser, load_buffers, open_initialiser
 from europa.core.job import Job
-from europa.core.model import count_parameters, model_spec, update_expert_bias
-from europa.core.model.materialise import MatrixInitialiser, init_buffers
-from europa.core.plugins.manager import EuropaPluginManager
-from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
-from europa.core.train import checkpoint, metrics
-from europa.core.train.batches import open_rank_batches
-from europa.core.train.distributed import (
+from europa.core.launch.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
@@ -35,12 +32,16 @@ from europa.core.train.distributed import (
     routed_model,
     shutdown,
 )
+from europa.core.launch.faults import reporting_faults
+from europa.core.launch.progress import RankProgress
+from europa.core.model import count_parameters, model_spec, update_expert_bias
+from europa.core.model.materialise import MatrixInitialiser, init_buffers
+from europa.core.plugins.manager import EuropaPluginManager
+from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
+from europa.core.train import metrics
+from europa.core.train.batches import open_rank_batches
 from europa.core.train.evaluate import validation_metrics
-from europa.core.train.faults import reporting_faults
-from europa.core.train.global_batch import KEY as GLOBAL_BATCH
-from europa.core.train.global_batch import check_global_batch, global_batch
 from europa.core.train.nonfinite import SkippedSteps
-from europa.core.train.progress import RankProgress
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -312,8 +313,8 @@ def use_deterministic_algorithms(deterministic: bool) -> None:
     """torch's deterministic mode, without its fill of every new allocation with NaN.
 
     That fill (``fill_uninitialized_memory``) only makes a read of uninitialised memory
-    visible; our kernels write every element they read. It was 732 ``aten::fill_`` calls
-    per debug step on CPU (see ``benchmarks/e2e.py``'s operator profile)."""
+    visible, and our kernels write every element they read; it costs an ``aten::fill_``
+    per allocation (``benchmarks/e2e.py``'s operator profile counts them)."""
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     torch.utils.deterministic.fill_uninitialized_memory = False
 
@@ -330,6 +331,7 @@ def run_training(
     """Everything one process does in ``europa train``."""
     use_deterministic_algorithms(config.training.deterministic)
     device, mesh = init_distributed(config.parallel, place)
+    job, error = None, None
     try:
         job = Job(
             config=config,
@@ -349,5 +351,11 @@ def run_training(
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             with reporting_faults(run_dir, place.rank) as progress:
                 return Trainer(job, plugins, resume, from_older=from_older, progress=progress).run()
+    except BaseException as err:
+        error = err
+        raise
     finally:
+        failed = plugins.teardown(job, error) if job is not None else None
         shutdown()
+        if failed is not None and error is None:
+            raise failed

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, field
 
-from europa.core.hookspecs import hookimpl
+from europa.spec.hookspecs import hookimpl
 
 
 @dataclass(kw_only=True)

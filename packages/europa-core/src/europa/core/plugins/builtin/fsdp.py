@@ -28,7 +28,8 @@ and DTensors, so a third-party DTensor layout needs none of them.
 from __future__ import annotations
 
 from europa.core.errors import PluginError
-from europa.core.hookspecs import hookimpl
+from europa.core.plan.layout import data_parallel_form
+from europa.spec.hookspecs import hookimpl
 
 OWNER = "core.fsdp2"
 
@@ -37,14 +38,6 @@ def data_parallel_mesh(job):
     if job.config.parallel.dp_replicate > 1:
         return job.mesh["dp_replicate", "dp_shard"]
     return job.mesh["dp_shard"]
-
-
-def data_parallel_form(dp_replicate: int, dp_shard: int, dtype: str) -> str:
-    """How core holds the model: "fsdp2" or "hsdp" where it shards or casts, else
-    (fp32, ``dp_shard = 1``) "plain" on one rank or "ddp" over replicas."""
-    if dp_shard > 1 or dtype != "float32":
-        return "hsdp" if dp_replicate > 1 else "fsdp2"
-    return "ddp" if dp_replicate > 1 else "plain"
 
 
 def mixed_precision(dtype: str):
@@ -101,6 +94,6 @@ def europa_clip_gradients(job, model, max_norm):
 
 @hookimpl(trylast=True)
 def europa_checkpoint_state(job, model, optimizer):
-    from europa.core.train.checkpoint import TorchDistributedState
+    from europa.core.checkpoint.store import TorchDistributedState
 
     return TorchDistributedState(model, optimizer)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from europa.core.hookspecs import hookimpl
+from europa.spec.hookspecs import hookimpl
 
 
 def runs_on_cpu(job) -> bool:
@@ -17,8 +17,8 @@ def runs_on_cpu(job) -> bool:
 
 @hookimpl(trylast=True)
 def europa_build_model(job):
+    from europa.core.launch.distributed import routed_model
     from europa.core.model import build_moe_model
-    from europa.core.train.distributed import routed_model
 
     fp32 = job.config.training.dtype == "float32"
     attention = "block_causal" if runs_on_cpu(job) else "sdpa"

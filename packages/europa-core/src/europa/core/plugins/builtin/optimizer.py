@@ -10,16 +10,8 @@ norms, router gates and biases stay on AdamW, as Muon's authors advise.
 
 from __future__ import annotations
 
-from europa.core.hookspecs import hookimpl
-
-ADAMW_ONLY_NAMES = ("tok_embeddings", "lm_head", "norm", "router", "expert_bias")
-
-
-def uses_muon(name: str, ndim: int) -> bool:
-    """Hidden weight matrices (and stacked expert matrices) go to Muon."""
-    if ndim < 2:
-        return False
-    return not any(part in name for part in ADAMW_ONLY_NAMES)
+from europa.spec.hookspecs import hookimpl
+from europa.spec.optim import uses_muon
 
 
 def _adamw(params, cfg):
@@ -47,8 +39,8 @@ def europa_build_optimizer(job, model):
     from europa.core.optim.muon import MuonWithAdamW
 
     return MuonWithAdamW(
-        muon_params=[p for n, p in named if uses_muon(n, p.ndim)],
-        adamw_params=[p for n, p in named if not uses_muon(n, p.ndim)],
+        muon_params=[p for n, p in named if uses_muon(n, p.shape)],
+        adamw_params=[p for n, p in named if not uses_muon(n, p.shape)],
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
         momentum=cfg.muon_momentum,

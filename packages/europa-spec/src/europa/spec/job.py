@@ -1,0 +1,46 @@
+"""What a hook may rely on in the ``job`` it receives, phase by phase, as Protocols:
+europa-core's ``Job`` satisfies both; a plugin types its hooks with them and needs
+nothing of core.
+
+While planning (``europa plan``, the launcher's pre-flight check, ``europa_build_model``
+called for shapes) a job has the config and where the ranks stand, but no devices, no
+mesh and no run directory of its own. On a rank, from the build phase on, it has all of
+them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+@runtime_checkable
+class PlanningJob(Protocol):
+    config: Any  # the resolved config: ``config.section(name)`` gives a plugin's table
+    rank: int
+    world_size: int
+    ranks_per_node: int  # what the launcher or the planned machine says; 0: not said
+    state: dict[str, Any]  # per-run objects a plugin shares between its own hooks
+
+    @property
+    def is_main(self) -> bool: ...
+
+    @property
+    def node_size(self) -> int: ...
+
+
+@runtime_checkable
+class RunningJob(PlanningJob, Protocol):
+    run_dir: Path
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh  # [dp_replicate, dp_shard, ep]
+    emit_metrics: Callable[[dict[str, Any]], None]
+    claims: dict[str, str]  # parameter name -> the plugin laying it out
+    optimizer: Any  # the optimizer core steps, once built (see europa_wrap_optimizer)
+
+    def claim(self, owner: str, parameter_names: Iterable[str]) -> None: ...

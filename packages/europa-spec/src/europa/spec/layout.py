@@ -1,0 +1,160 @@
+"""The plan's layout record: where parameters live, as the planner sees it.
+
+A sharding plugin replaces ``plan["layout"]`` from its ``europa_plan`` hook with a mapping
+of these fields (plain values: it needs nothing of europa-core); ``Layout.parse`` checks
+it in one place, so a plugin's mistake is one line naming the plugin and the key, not a
+``KeyError`` deep in the planner. All counts are per rank of the group that splits the
+parameters. (The planner keeps reading the mapping once it has been checked; the
+records are the contract.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from europa.spec.errors import UserError
+
+STEP, LAST_BACKWARD = "step", "last_backward"
+
+
+class LayoutError(UserError):
+    """A plugin's ``plan["layout"]`` that breaks the contract."""
+
+
+@dataclass(frozen=True)
+class ReplicaGroup:
+    """The ranks holding the same share (``dp_replicate``, or other nodes' copies)."""
+
+    size: int
+    stride: int
+    per_micro_batch: bool = True  # they sum every micro-batch (else once a step)
+    overlappable: bool = True  # that all-reduce can run beside computation
+    window: str = STEP  # beside the whole step, or the last micro-batch's backward only
+    tail_elements: int = 0  # of it, what starts only when that backward ends
+
+
+@dataclass(frozen=True)
+class ExpertCopies:
+    """Resident expert gradients all-reduced over the ranks holding the same experts."""
+
+    elements: int
+    stride: int = 1
+    group_size: int = 1
+    per_micro_batch: bool = True
+    overlappable: bool = True
+    window: str = STEP
+
+
+@dataclass(frozen=True)
+class Layout:
+    owner: str  # the plugin (or core's "core.fsdp2") that lays the parameters out
+    group_size: int
+    stored_elements: list[int]  # parameter storage each rank allocates; gradients alike
+    muon_elements: list[int]  # local elements under each optimizer rule
+    adamw_elements: list[int]
+    adamw_tensors: int  # tensors that carry an AdamW step counter on every rank
+    gathered_unit_elements: dict[str, int]  # {unit: elements} gathered whole before use
+    gather_group_size: int
+    optimizer_step_gather_elements: int  # gathered inside optimizer.step() (Muon on shards)
+    largest_step_gather_elements: int
+    expert_all_to_all_bytes_per_step: int
+    expert_group_size: int
+    form: str | None = None  # how the owner holds it: core's "plain", "ddp", "fsdp2", "hsdp"
+    # each gather's and reduce-scatter's elements, padding included (the widest share)
+    gathered_unit_wire_elements: dict[str, int] | None = None
+    expert_all_to_all_bytes_by_link: dict[str, int] | None = None  # {link: bytes}
+    expert_kept_bytes_per_moe_block: int = 0  # kept for the recomputation, like its input
+    replicated_elements: int | None = None  # all-reduced over the replicas (default: max)
+    replica_group: ReplicaGroup | None = None
+    expert_copies: ExpertCopies | None = None
+    reduce_itemsize: int = 4  # bytes per element of gradient reductions
+
+    @classmethod
+    def parse(cls, mapping: Any, plugin: str) -> Layout:
+        """The record of ``mapping``, or a one-line ``LayoutError`` naming ``plugin`` and
+        the key that is missing, unknown or of the wrong type."""
+        return _parse(cls, mapping, plugin, 'plan["layout"]')
+
+
+def _parse(record: type, mapping: Any, plugin: str, where: str):
+    if not isinstance(mapping, Mapping):
+        raise LayoutError(f"plugin {plugin}: {where} = {mapping!r}: expected a table")
+    fields = {f.name: f for f in dataclasses.fields(record)}
+    hints = typing.get_type_hints(record)
+    unknown = sorted(set(mapping) - set(fields))
+    if unknown:
+        raise LayoutError(
+            f"plugin {plugin}: {where}[{unknown[0]!r}]: unknown key; expected keys among "
+            f"{', '.join(fields)}"
+        )
+    values = {}
+    for name, spec in fields.items():
+        key = f"{where}[{name!r}]"
+        if name not in mapping:
+            required = spec.default is dataclasses.MISSING
+            if required and spec.default_factory is dataclasses.MISSING:
+                raise LayoutError(f"plugin {plugin}: {key} is missing; expected it in the layout")
+            continue
+        values[name] = _value(hints[name], mapping[name], plugin, key)
+    return record(**values)
+
+
+def _value(hint: Any, value: Any, plugin: str, key: str):
+    options = typing.get_args(hint) if _is_union(hint) else (hint,)
+    if value is None and type(None) in options:
+        return None
+    for option in (o for o in options if o is not type(None)):
+        if dataclasses.is_dataclass(option):
+            return _parse(option, value, plugin, key)
+        if _fits(option, value):
+            return value
+    raise LayoutError(f"plugin {plugin}: {key} = {value!r}: expected {_describe(hint)}")
+
+
+def _is_union(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType)
+
+
+def _fits(option: Any, value: Any) -> bool:
+    origin = typing.get_origin(option)
+    if origin is list:
+        (item,) = typing.get_args(option)
+        return isinstance(value, list | tuple) and all(_fits(item, v) for v in value)
+    if origin is dict:
+        k, v = typing.get_args(option)
+        return isinstance(value, Mapping) and all(
+            _fits(k, a) and _fits(v, b) for a, b in value.items()
+        )
+    if option is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if option is bool:
+        return isinstance(value, bool)
+    return isinstance(value, option)
+
+
+def _plural(hint: Any) -> str:
+    return {int: "integers", str: "strings", bool: "booleans"}.get(hint, _describe(hint))
+
+
+def _describe(hint: Any) -> str:
+    if _is_union(hint):
+        return " or ".join(_describe(o) for o in typing.get_args(hint))
+    if hint is type(None):
+        return "none"
+    origin = typing.get_origin(hint)
+    if origin is list:
+        return f"a list of {_plural(typing.get_args(hint)[0])}"
+    if origin is dict:
+        k, v = typing.get_args(hint)
+        return f"a table of {_plural(k)} to {_plural(v)}"
+    if dataclasses.is_dataclass(hint):
+        return f"a table of {', '.join(f.name for f in dataclasses.fields(hint))}"
+    return {int: "an integer", bool: "true or false", str: "a string"}.get(hint, str(hint))
+
+
+__all__ = ["LAST_BACKWARD", "STEP", "ExpertCopies", "Layout", "LayoutError", "ReplicaGroup"]

@@ -1,0 +1,45 @@
+"""The keys of core's metrics records (``metrics.jsonl``), one place for the trainer
+that writes them and for every reader (europa-report). A plugin's own keys start with
+its name (``offload_bytes_offloaded``).
+
+Step numbering: a record's ``step`` counts optimizer steps done, from 1; a hook's
+``step`` argument is the index of the step being taken, from 0, so the record that
+step writes has ``step + 1``."""
+
+from __future__ import annotations
+
+STEP = "step"
+LOSS = "loss"
+LR = "lr"
+GRAD_NORM = "grad_norm"
+TOKENS_SEEN = "tokens_seen"
+TOKENS_PER_S = "tokens_per_s"
+STEP_TIME_S = "step_time_s"
+MEMORY_PEAK_BYTES = "memory_peak_bytes"
+EXPERT_IMBALANCE_MAX = "expert_imbalance_max"
+EXPERT_IMBALANCE = "expert_imbalance"  # {layer: max / mean share}
+EXPERT_LOAD = "expert_load"  # {layer: [share per expert]}
+SKIPPED = "skipped"
+SKIPPED_STEPS = "skipped_steps"
+VAL_LOSS = "val_loss"
+VAL_PERPLEXITY = "val_perplexity"
+
+TRAINING_KEYS = frozenset(
+    {
+        STEP,
+        LOSS,
+        LR,
+        GRAD_NORM,
+        TOKENS_SEEN,
+        TOKENS_PER_S,
+        STEP_TIME_S,
+        MEMORY_PEAK_BYTES,
+        EXPERT_IMBALANCE_MAX,
+        EXPERT_IMBALANCE,
+        EXPERT_LOAD,
+        SKIPPED,
+        SKIPPED_STEPS,
+    }
+)
+VALIDATION_KEYS = frozenset({VAL_LOSS, VAL_PERPLEXITY})
+CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS

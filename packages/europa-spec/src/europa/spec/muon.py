@@ -1,0 +1,114 @@
+"""The optimizer maths every layout must share exactly: Muon's Newton–Schulz
+orthogonalisation and update scale, and the AdamW update. Which parameters each steps,
+and the state each keeps: ``europa.spec.optim`` (no torch).
+
+AdamW comes two ways, the same update (``torch.optim.AdamW``'s): ``adamw_update`` runs
+torch's fused kernel, one kernel per tensor, which core's optimizer uses; its result for
+an element depends on where the element falls in its tensor (the kernel's vector body and
+its scalar tail round differently: a stack of 6 matrices stepped whole and as two stacks
+of 3 differ by 1e-9). ``adamw_update_exact`` is elementwise and gives every element the
+same bits however the tensors are split, which FlexShard needs: its layouts (any ``ep``,
+any world size) promise the same training, routing decisions included.
+
+Muon: the quintic Newton–Schulz iteration with Jordan et al.'s coefficients, in the
+parameter's dtype, a 3-D stacked parameter being a batch of independent matrices; the
+update is scaled per matrix by ``0.2 * sqrt(max(rows, cols))`` so its RMS matches
+AdamW's and one ``lr`` serves both groups (Moonlight, arXiv:2502.16982). Embeddings,
+the output head, norms, router gates and biases stay on AdamW, as Muon's authors advise.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch.optim.adamw import adamw
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalise(matrices: torch.Tensor, steps: int = 5, eps: float = 1e-7) -> torch.Tensor:
+    """Approximate U V^T of each matrix in ``[..., rows, cols]`` (quintic Newton–Schulz)."""
+    a, b, c = NS_COEFFICIENTS
+    x = matrices.float()
+    transposed = x.size(-2) > x.size(-1)
+    if transposed:
+        x = x.mT
+    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp_min(eps)
+    for _ in range(steps):
+        gram = x @ x.mT
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if transposed:
+        x = x.mT
+    return x.to(matrices.dtype)
+
+
+def rms_matching_scale(shape: Sequence[int]) -> float:
+    return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A fresh AdamW state for ``param`` (its step counter on the parameter's device, as
+    the fused kernel needs)."""
+    return {
+        "step": torch.zeros((), dtype=torch.float32, device=param.device),
+        "exp_avg": torch.zeros_like(param),
+        "exp_avg_sq": torch.zeros_like(param),
+    }
+
+
+@torch.no_grad()
+def adamw_update(
+    params: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """torch's fused AdamW kernel on ``params`` (each with its ``.grad``) and their states:
+    the update of ``torch.optim.AdamW``, one kernel per tensor."""
+    if not params:
+        return
+    beta1, beta2 = betas
+    adamw(
+        params,
+        [p.grad for p in params],
+        [s["exp_avg"] for s in states],
+        [s["exp_avg_sq"] for s in states],
+        [],
+        [s["step"] for s in states],
+        fused=True,
+        amsgrad=False,
+        beta1=beta1,
+        beta2=beta2,
+        lr=lr,
+        weight_decay=weight_decay,
+        eps=eps,
+        maximize=False,
+    )
+
+
+@torch.no_grad()
+def adamw_update_exact(
+    params: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """The same update as ``adamw_update``, elementwise: each element's result does not
+    depend on how its tensor is split (see the module's note)."""
+    beta1, beta2 = betas
+    for param, state in zip(params, states, strict=True):
+        state["step"] += 1
+        step = state["step"].item()
+        state["exp_avg"].lerp_(param.grad, 1 - beta1)
+        state["exp_avg_sq"].mul_(beta2).addcmul_(param.grad, param.grad, value=1 - beta2)
+        denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(eps)
+        param.mul_(1 - lr * weight_decay)
+        param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))

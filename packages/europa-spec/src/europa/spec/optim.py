@@ -1,0 +1,32 @@
+"""Which parameters Muon steps and which AdamW, and how many bytes of state each rule
+keeps: what the optimizers, the planner and every plugin's memory budget must agree on.
+No torch here, so a planner or a plugin module can read it without loading torch.
+
+Embeddings, the output head, norms, router gates and biases stay on AdamW, as Muon's
+authors advise; every other matrix (hidden weights, stacked experts) goes to Muon."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+# Parts of a parameter's name that keep it on AdamW however many dimensions it has.
+ADAMW_ONLY_PARTS = ("embed", "lm_head", "norm", "router", "expert_bias")
+# fp32 tensors of optimizer state per parameter element, by rule: AdamW's two moments,
+# Muon's momentum. Each AdamW tensor also carries a step counter.
+STATE_TENSORS = {"muon": 1, "adamw": 2}
+FP32 = 4
+STEP_COUNTER_BYTES = 4
+
+
+def uses_muon(name: str, shape: Sequence[int]) -> bool:
+    """Hidden weight matrices and stacked expert matrices go to Muon; the rest to AdamW."""
+    return len(shape) >= 2 and not any(part in name for part in ADAMW_ONLY_PARTS)
+
+
+def optimizer_state_bytes(muon_elements: int, adamw_elements: int, adamw_tensors: int) -> int:
+    """Bytes of optimizer state for that many elements under each rule."""
+    return (
+        FP32 * STATE_TENSORS["muon"] * muon_elements
+        + FP32 * STATE_TENSORS["adamw"] * adamw_elements
+        + STEP_COUNTER_BYTES * adamw_tensors
+    )

@@ -1,0 +1,126 @@
+"""europa-spec: the pieces every package shares, checked once here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from europa.spec import hookspecs, metrics
+from europa.spec.errors import is_user_error
+from europa.spec.hookspecs import hookimpl
+from europa.spec.layout import LayoutError
+from europa.spec.optim import optimizer_state_bytes, uses_muon
+from tests.installs import PACKAGES
+
+
+class _Renamed(nn.Module):
+    """Hugging Face names: an embedding that is not ``tok_embeddings``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(100, 16)
+        self.layers = nn.ModuleList([nn.Linear(16, 16), nn.LayerNorm(16)])
+        self.lm_head = nn.Linear(16, 100, bias=False)
+
+
+def test_the_muon_rule_keeps_embeddings_heads_and_norms_on_adamw_whatever_their_names():
+    model = _Renamed()
+    muon = sorted(n for n, p in model.named_parameters() if uses_muon(n, p.shape))
+    assert muon == ["layers.0.weight"]
+
+
+def test_optimizer_state_bytes_are_fp32_moments_and_step_counters():
+    assert optimizer_state_bytes(10, 0, 0) == 40  # Muon's momentum
+    assert optimizer_state_bytes(0, 10, 1) == 84  # AdamW's two moments and a step
+
+
+def test_every_hook_has_one_phase_and_phases_are_in_order():
+    specs = {n for n in vars(hookspecs) if n.startswith("europa_")}
+    phased = [hook for _, hooks in hookspecs.PHASES for hook in hooks]
+    assert sorted(phased) == sorted(specs) and len(phased) == len(set(phased))
+    assert [p for p, _ in hookspecs.PHASES][-1] == "teardown"
+
+
+def test_the_trainer_writes_exactly_the_training_metric_keys(tmp_path):
+    import json
+
+    from tests.conftest import run_ranks
+    from tests.trainer_runs import Run, train_runs
+
+    run = Run("keys", ["training.steps=1"], [])
+    run_ranks(train_runs, 1, str(tmp_path), [run])
+    record = json.loads((tmp_path / run.name / "metrics.jsonl").read_text().splitlines()[0])
+    assert set(record) == metrics.TRAINING_KEYS
+
+
+def test_the_readme_snippet_runs():
+    text = (PACKAGES / "europa-spec" / "README.md").read_text()
+    exec(re.search(r"```python\n(.*?)```", text, re.S).group(1), {})
+
+
+def _mine(layout: dict):
+    class Mine:
+        @hookimpl
+        def europa_plan(self, job, plan):
+            plan["layout"] = layout | {"owner": "mine"}
+
+    return Mine()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda d: d.pop("adamw_tensors"),
+         "plugin mine: plan[\"layout\"]['adamw_tensors'] is missing"),
+        (lambda d: d.update(stored_elements="lots"),
+         "plugin mine: plan[\"layout\"]['stored_elements'] = 'lots': expected a list of integers"),
+        (lambda d: d.update(replica_group={"size": 2}),
+         "plugin mine: plan[\"layout\"]['replica_group']['stride'] is missing"),
+        (lambda d: d.update(bytes_per_rank=3),
+         "plugin mine: plan[\"layout\"]['bytes_per_rank']: unknown key; expected keys among"),
+    ],
+)  # fmt: skip
+def test_a_plugins_broken_layout_is_one_line_naming_the_plugin_and_the_key(edit, message):
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.plugins.manager import EuropaPluginManager
+    from europa.core.session import open_session
+
+    config, manager = open_session("tiny")
+    good = make_plan(config, manager, load_profile("cpu"), 1).layout
+    broken = dict(good)
+    edit(broken)
+    manager = EuropaPluginManager(extra_plugins=[("mine", _mine(broken), "tests", "0")])
+    config, manager = open_session("tiny", (), ["mine"], manager)
+    with pytest.raises(LayoutError) as err:
+        make_plan(config, manager, load_profile("cpu"), 1)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert is_user_error(err.value)
+
+
+@settings(max_examples=10, deadline=None)
+@given(sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4), seed=st.integers(0, 999))
+def test_the_exact_adamw_gives_the_same_bits_however_the_tensors_are_split(sizes, seed):
+    """What FlexShard's layouts rely on to train alike at any ep or world size."""
+    import torch
+
+    from europa.spec.muon import adamw_state, adamw_update_exact
+
+    generator = torch.Generator().manual_seed(seed)
+    whole = torch.randn(sum(sizes), 7, 13, generator=generator)
+    grads = [torch.randn(whole.shape, generator=generator) for _ in range(3)]
+
+    def stepped(splits):
+        params = [torch.nn.Parameter(p.clone()) for p in whole.split(splits)]
+        states = [adamw_state(p) for p in params]
+        for grad in grads:
+            for param, piece in zip(params, grad.split(splits), strict=True):
+                param.grad = piece.clone()
+            adamw_update_exact(params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                               weight_decay=0.1)  # fmt: skip
+        return torch.cat([p.detach() for p in params])
+
+    assert torch.equal(stepped(sizes), stepped([sum(sizes)]))
