@@ -5,7 +5,8 @@ step), ``job.json`` (world size, mesh, device and parameter counts, written when
 training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
 ``.partial`` folders are never loaded), ``summary.json``, ``tensorboard/``
 (event files, when ``[metrics] tensorboard = true``), ``worker-errors/rank-N.txt``
-(a worker's one-line error, read by the launcher), ``progress/rank-N.json`` (where
+(a worker's one-line error, read by the launcher), ``training.lock`` (held by the live
+training, naming its host and pid), ``progress/rank-N.json`` (where
 each rank is: the step it computes or saves, its pid; see ``europa.core.launch.progress``) and
 ``cache/`` (text prepared for training, written before the run starts). Names and
 paths only: it imports nothing of europa but its errors, so the CLI can use it without
@@ -32,6 +33,7 @@ CHECKPOINTS = "checkpoints"
 WORKER_ERRORS = "worker-errors"
 PROGRESS = "progress"
 CACHE = "cache"  # derived data, e.g. text prepared for training (europa.core.data.corpora)
+LOCK_FILE = "training.lock"  # held by the one live training (europa.core.launch.lock)
 RUNS_ROOT = Path("runs")
 
 

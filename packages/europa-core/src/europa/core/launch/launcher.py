@@ -39,6 +39,7 @@ from europa.core.launch.distributed import (
     ranks_per_node,
 )
 from europa.core.launch.interrupt import ForwardedInterrupts
+from europa.core.launch.lock import RunDirLock
 from europa.core.launch.nodes import Nodes
 from europa.core.launch.prepare import check_run_dir, prepare_run_dir
 from europa.core.launch.restart import is_restart, resumes
@@ -134,17 +135,26 @@ def train(
         )
     world = per_node * nodes.count
     run_dir = run_dir or default_run_dir(config)
-    if nodes.prepares_run_dir:
-        # before preflight writes its data cache there; the one choice of the checkpoint
-        point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
-        with _undone_on_bad_input(run_dir):
-            preflight(config, plugins, world, point, run_dir, local_ranks=per_node)
-        prepare_run_dir(config, run_dir, resume=resume, checked=True)
-    else:  # node 0 writes the run directory; its workers wait for ours at the rendezvous
+    if not nodes.prepares_run_dir:  # node 0 holds the run directory; its workers wait for ours
         point = None
         if resume:
             point = checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
         preflight(config, plugins, world, point, None, local_ranks=per_node)
+        _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes)
+        return run_dir
+    # First, before anything is read or written there: no other training uses it.
+    with RunDirLock.hold(run_dir) as lock:
+        with _undone_on_bad_input(run_dir, lock):
+            # before preflight writes its data cache there; the one choice of the checkpoint
+            point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+            preflight(config, plugins, world, point, run_dir, local_ranks=per_node)
+        prepare_run_dir(config, run_dir, resume=resume, checked=True)
+        _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes)
+    return run_dir
+
+
+def _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes) -> None:
+    """This process trains (one rank, no restarts), or starts this node's workers."""
     if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
 
@@ -157,7 +167,6 @@ def train(
             if nodes.prepares_run_dir and not resume:  # nothing ran: the same command may retry
                 (run_dir / CONFIG_FILE).unlink(missing_ok=True)
             raise
-    return run_dir
 
 
 def launcher_place(
@@ -186,11 +195,13 @@ def _refuse_launch_options_under(place: ProcessPlace, nproc: int | None, nodes: 
 
 
 @contextmanager
-def _undone_on_bad_input(run_dir: Path) -> Iterator[None]:
-    """Bad input leaves the run directory as it found it. Preflight writes only the data cache:
-    on a user error, remove the folders it created (the run directory itself if it was new).
-    Anything else (an interrupt, a bug) keeps what was prepared, for the next attempt."""
-    created = next((p for p in (*reversed(run_dir.parents), run_dir) if not p.exists()), None)
+def _undone_on_bad_input(run_dir: Path, lock: RunDirLock) -> Iterator[None]:
+    """Bad input leaves the run directory as it found it. The lock and preflight write only
+    the lock file and the data cache: on a user error, remove the folders this command
+    created (the run directory itself if it was new), else the lock file if it was new and
+    the cache files it added. Anything else (an interrupt, a bug) keeps what was prepared,
+    for the next attempt."""
+    created = lock.created
     cache = run_dir / CACHE
     had_cache = cache.is_dir()
     before = set(cache.iterdir()) if had_cache else set()
@@ -200,11 +211,14 @@ def _undone_on_bad_input(run_dir: Path) -> Iterator[None]:
         if is_user_error(err):
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
-            elif cache.is_dir():
-                for path in set(cache.iterdir()) - before:
-                    _remove(path)
-                if not had_cache:
-                    cache.rmdir()
+            else:
+                if lock.new_file:
+                    lock.path.unlink(missing_ok=True)  # still held until this command exits
+                if cache.is_dir():
+                    for path in set(cache.iterdir()) - before:
+                        _remove(path)
+                    if not had_cache:
+                        cache.rmdir()
         raise
 
 
@@ -225,9 +239,14 @@ def _run_as_rank(config, plugins, place, run_dir, resume, from_older) -> Path:
     if run_dir is None:
         run_dir = default_run_dir(config)
     resume = resumes(run_dir, resume)
-    if place.rank == 0 and (resume or not is_restart()):  # a fresh restart reuses its files
-        prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
-    run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
+    lock = RunDirLock.hold(run_dir) if place.rank == 0 else None  # rank 0 speaks for the job
+    try:
+        if place.rank == 0 and (resume or not is_restart()):  # a fresh restart reuses its files
+            prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
+        run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
+    finally:
+        if lock is not None:
+            lock.release()
     return run_dir
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from europa.core.errors import ConfigError
-from europa.core.run_dir import CACHE, CONFIG_FILE, write_replacing
+from europa.core.run_dir import CACHE, CONFIG_FILE, LOCK_FILE, write_replacing
 
 if TYPE_CHECKING:
     from europa.core.config import EuropaConfig
@@ -17,16 +17,16 @@ if TYPE_CHECKING:
 def check_run_dir(
     config: EuropaConfig, run_dir: Path, *, resume: bool, from_older: bool = False
 ) -> tuple[int, Path] | None:
-    """A new or empty directory (its data cache aside), or on resume one with a checkpoint
+    """A new or empty directory (its data cache and lock aside), or on resume one with a checkpoint
     to continue from (with ``from_older``, an older one when newer ones are damaged).
     Returns that checkpoint (step, path): the launcher decides it here, once, and passes
     it down."""
     from europa.core.checkpoint.store import checkpoint_to_resume  # torch: only when training
 
-    _check_usable(run_dir)
+    check_usable(run_dir)
     if resume:
         return checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
-    if run_dir.exists() and any(path.name != CACHE for path in run_dir.iterdir()):
+    if run_dir.exists() and any(p.name not in (CACHE, LOCK_FILE) for p in run_dir.iterdir()):
         raise ConfigError(
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
             "directory, or --resume to continue it"
@@ -34,7 +34,7 @@ def check_run_dir(
     return None
 
 
-def _check_usable(run_dir: Path) -> None:
+def check_usable(run_dir: Path) -> None:
     """A directory, or a path whose nearest existing ancestor is a writable directory."""
     shown = repr(str(run_dir))
     try:
