@@ -59,6 +59,8 @@ BAD_EDITS = [
      "unknown key 'intra_node_bandwidth'; expected keys among"),
     (r"\nall_reduce = [0-9.]+", "\nall_reduce = 1.7",
      "intra_node_collectives.all_reduce = 1.7; expected a share of the peak, in (0, 1]"),
+    (r"gpus_per_node = 2", "gpus_per_node = 2\nfilesystem_gbps = 0",
+     "filesystem_gbps = 0; expected a number > 0"),
     (r"\nall_reduce = [0-9.]+", "\nbroadcast = 0.5",
      "expected a table of efficiencies by collective, among all_gather, reduce_scatter"),
 ]  # fmt: skip

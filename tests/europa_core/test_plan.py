@@ -171,3 +171,20 @@ def test_the_plan_gathers_blocks_only_where_fsdp2_wraps_the_model(dtype, ranks, 
     assert bool(plan.layout["gathered_unit_elements"]) == gathers
     assert plan_json(plan)["layout_form"] == form
     assert plan_table(plan).splitlines()[0].endswith(f"layout core.fsdp2 ({form})")
+
+
+def test_the_checkpoint_is_planned_once_whatever_the_copies_and_timed_by_the_file_system():
+    import dataclasses
+
+    from europa.core.plan import load_profile, make_plan
+
+    hardware = load_profile("gh200-jupiter")
+    sizes = {}
+    for replicas in (1, 2):
+        config, plugins = open_session("debug", [f"parallel.dp_replicate={replicas}"], [])
+        sizes[replicas] = make_plan(config, plugins, hardware, 8).checkpoint_bytes
+    assert sizes[1] == sizes[2] > 0  # each byte once: replicas add nothing
+    config, plugins = open_session("debug")
+    assert make_plan(config, plugins, hardware, 8).checkpoint_write_s is None  # not given
+    timed = make_plan(config, plugins, dataclasses.replace(hardware, filesystem_gbps=2.0), 8)
+    assert timed.checkpoint_write_s == pytest.approx(timed.checkpoint_bytes / 2 / 2e9)  # 2 nodes

@@ -11,6 +11,7 @@ import pytest
 
 from europa.cli.app import run
 from europa.core.checkpoint.store import complete_checkpoints
+from tests.checkpoint_bytes import state_bytes_on_disk
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, train_runs
 
@@ -105,9 +106,32 @@ VARIANTS = [
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory) -> dict[str, list[dict]]:
+def variant_runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     root = tmp_path_factory.mktemp("variants")
-    return run_ranks(train_runs, 2, str(root), VARIANTS, timeout=300)[0]
+    return root, run_ranks(train_runs, 2, str(root), VARIANTS, timeout=300)[0]
+
+
+@pytest.fixture(scope="module")
+def variants(variant_runs) -> dict[str, list[dict]]:
+    return variant_runs[1]
+
+
+@pytest.mark.parametrize("name", ["plain", "replicated", "muon"])
+def test_a_checkpoint_holds_each_byte_once_as_the_plan_says(variant_runs, name):
+    """FSDP2 shards, DDP replicas, Muon's state: the bytes on disk are the unique state
+    bytes ``europa plan`` reports, not that figure times the replicas."""
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.session import open_session
+
+    run_dir = variant_runs[0] / name
+    config, plugins = open_session(str(run_dir / "config.toml"))
+    plan = make_plan(config, plugins, load_profile("cpu"), 2)
+    (checkpoint,) = sorted((run_dir / "checkpoints").glob("step-*"))[-1:]
+    disk = state_bytes_on_disk(checkpoint, {p.name for p in plan.shapes.parameters})
+    assert disk["files"] == disk["indexed"]  # nothing written that is not indexed once
+    assert disk["state_payload"] == plan.checkpoint_bytes
+    # what each item adds to its tensor's bytes is torch.save's container, under 2 KiB
+    assert 0 < disk["state_written"] - disk["state_payload"] < 2048 * disk["state_items"]
 
 
 def _losses_of(runs: dict[str, list[dict]]) -> dict[str, list[float]]:

@@ -393,3 +393,22 @@ def test_an_expert_split_the_ranks_cannot_hold_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == (
         "europa: error: parallel.dp_replicate × parallel.ep = 3: expected a divisor of the 4 ranks"
     )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["ep2-replicas-bf16", "ep4-dense-node"])
+def test_a_flexshard_checkpoint_holds_each_byte_once_as_the_plan_says(four_ranks, name):
+    """Replicas (dp_replicate) and the experts' copies on the other node write one copy:
+    the bytes on disk are the unique state bytes europa plan reports."""
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.session import open_session
+    from tests.checkpoint_bytes import state_bytes_on_disk
+
+    run_dir = four_ranks[0] / name
+    config, plugins = open_session(str(run_dir / "config.toml"))
+    plan = make_plan(config, plugins, load_profile("cpu"), 4)
+    checkpoint = sorted((run_dir / "checkpoints").glob("step-*"))[-1]
+    disk = state_bytes_on_disk(checkpoint, {p.name for p in plan.shapes.parameters})
+    assert disk["files"] == disk["indexed"]
+    assert disk["state_payload"] == plan.checkpoint_bytes
+    assert 0 < disk["state_written"] - disk["state_payload"] < 2048 * disk["state_items"]

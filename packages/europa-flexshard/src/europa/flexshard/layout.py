@@ -31,8 +31,9 @@ from europa.flexshard.experts import (
 )
 from europa.flexshard.gather import AsyncSum, GatherUnit, Groups, Slot, all_gather, sum_over
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
-from europa.flexshard.plan import ROOT_UNIT, OwnershipPlan, ParameterSpec, plan_ownership
+from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
+from europa.spec.layout import ROOT_UNIT
 from europa.spec.optim import uses_muon
 
 InitMatrix = Callable[[str, int, torch.Tensor], None]

@@ -36,8 +36,6 @@ from typing import Any
 
 from europa.flexshard.errors import PlanError
 
-ROOT_UNIT = "<root>"  # the unit of the parameters no block claims: embedding, norm, head
-
 
 def newton_schulz_flops(shape: tuple[int, ...], steps: int = 5) -> int:
     """Floating-point operations of ``steps`` quintic Newton–Schulz iterations on one matrix."""

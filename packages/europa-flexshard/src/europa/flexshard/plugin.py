@@ -20,8 +20,8 @@ import sys
 from dataclasses import dataclass, field
 
 from europa.flexshard.errors import FlexShardError
-from europa.flexshard.plan import ROOT_UNIT
 from europa.spec.hookspecs import hookimpl
+from europa.spec.layout import ROOT_UNIT, unit_of
 from europa.spec.optim import STATE_TENSORS
 from europa.spec.units import GIB
 
@@ -237,12 +237,6 @@ def europa_checkpoint_state(job, model, optimizer):
     from europa.flexshard.state import FlexShardState
 
     return FlexShardState(_layout(job), optimizer)
-
-
-def unit_of(name: str) -> str:
-    """The gather unit ``flex_shard`` gives a parameter of a model with ``layers``."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ROOT_UNIT
 
 
 @hookimpl

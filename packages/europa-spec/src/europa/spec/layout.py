@@ -20,6 +20,14 @@ from typing import Any
 from europa.spec.errors import UserError
 
 STEP, LAST_BACKWARD = "step", "last_backward"
+ROOT_UNIT = "<root>"  # the unit of what no block claims: embedding, final norm, output head
+
+
+def unit_of(name: str) -> str:
+    """The gather unit of a parameter of a model with ``layers``: its block
+    (``layers.<i>``), or the root; every layout groups parameters so."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ROOT_UNIT
 
 
 class LayoutError(UserError):
@@ -157,4 +165,13 @@ def _describe(hint: Any) -> str:
     return {int: "an integer", bool: "true or false", str: "a string"}.get(hint, str(hint))
 
 
-__all__ = ["LAST_BACKWARD", "STEP", "ExpertCopies", "Layout", "LayoutError", "ReplicaGroup"]
+__all__ = [
+    "LAST_BACKWARD",
+    "ROOT_UNIT",
+    "STEP",
+    "ExpertCopies",
+    "Layout",
+    "LayoutError",
+    "ReplicaGroup",
+    "unit_of",
+]

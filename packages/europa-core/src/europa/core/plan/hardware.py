@@ -45,6 +45,8 @@ class HardwareProfile:
     # beats its reduce-scatter several times over). A collective not listed uses the link's.
     intra_node_collectives: dict[str, float] | None = None
     inter_node_collectives: dict[str, float] | None = None
+    # GB/s one node writes to the file system checkpoints go to (where known)
+    filesystem_gbps: float | None = None
 
     def bandwidth(self, link: str, collective: str | None = None) -> float:
         """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device"),

@@ -14,7 +14,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
-from europa.spec.optim import FP32, optimizer_state_bytes
+from europa.spec.optim import FP32, optimizer_state_bytes, uses_muon
 
 
 @dataclass(frozen=True)
@@ -137,3 +137,18 @@ def transient_buffers(
         "expert_buffers": expert_buffer_bytes,
         "optimizer_workspace": 3 * FP32 * layout.get("largest_step_gather_elements", 0),
     }
+
+
+def unique_state_bytes(parameters, optimizer: str) -> int:
+    """The model's fp32 parameters and optimizer state counted once: what one checkpoint
+    holds whatever the layout and however many copies train (torch.distributed.checkpoint
+    writes a tensor held by several ranks from one of them). ``parameters``: the model's
+    ``ParameterShape``s."""
+    muon = adamw = adamw_tensors = 0
+    for p in parameters:
+        if optimizer == "muon" and uses_muon(p.name, p.shape):
+            muon += p.numel
+        else:
+            adamw += p.numel
+            adamw_tensors += 1
+    return FP32 * (muon + adamw) + optimizer_state_bytes(muon, adamw, adamw_tensors)

@@ -27,6 +27,7 @@ from europa.core.plan.memory import (
     RankState,
     activations,
     transient_buffers,
+    unique_state_bytes,
 )
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.timing import (
@@ -71,8 +72,19 @@ class Plan:
     overlap_enabled: bool
     model_flops_per_token: int
     activations_by_mode: dict[str, int] = field(default_factory=dict)  # device bytes
+    checkpoint_bytes: int = 0  # every parameter and optimizer tensor once
     host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def checkpoint_write_s(self) -> float | None:
+        """One checkpoint's write at the profile's file-system bandwidth per node (each
+        node writes its ranks' even share), or None when the profile does not say it."""
+        gbps = self.hardware.filesystem_gbps
+        if gbps is None:
+            return None
+        nodes = max(1, self.world_size // max(1, min(self.world_size, self.hardware.gpus_per_node)))
+        return self.checkpoint_bytes / nodes / (gbps * 1e9)
 
     @property
     def device_total(self) -> int:
@@ -282,6 +294,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},
+        checkpoint_bytes=unique_state_bytes(shapes.parameters, config.optimizer.name),
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

@@ -72,6 +72,11 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "with_overlap": _step(plan.with_overlap, plan.tokens_per_step),
             "overlap_enabled": plan.overlap_enabled,
         },
+        "checkpoint": {
+            "bytes": plan.checkpoint_bytes,
+            "bytes_per_rank": plan.checkpoint_bytes / plan.world_size,
+            "write_s": plan.checkpoint_write_s,
+        },
         "fits": plan.fits,
         "refusal": plan.refusal(),
         "plugins": plan.plugins,
@@ -124,6 +129,14 @@ def plan_table(plan: Plan) -> str:
         ),
         "",
     ]
+    write = plan.checkpoint_write_s
+    lines += [
+        f"  checkpoint: {human(plan.checkpoint_bytes)} in all, each byte once (about "
+        f"{human(plan.checkpoint_bytes / plan.world_size)} a rank); "
+        + (f"written in {write:.3g} s" if write is not None else
+           "its write time needs the profile's filesystem_gbps"),
+        "",
+    ]  # fmt: skip
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
     return "\n".join(lines)

@@ -9,15 +9,7 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from europa.core.model.counting import ParameterCounts, count_parameters
-
-ROOT_UNIT = "<root>"
-
-
-def unit_of(name: str) -> str:
-    """The gather unit a parameter belongs to: its transformer block, or the root
-    (embedding, final norm, output head), as both layouts group them."""
-    parts = name.split(".")
-    return ".".join(parts[:2]) if parts[0] == "layers" and len(parts) > 2 else ROOT_UNIT
+from europa.spec.layout import ROOT_UNIT, unit_of
 
 
 @dataclass(frozen=True)
