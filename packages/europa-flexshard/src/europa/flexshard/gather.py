@@ -256,16 +256,23 @@ class GatherUnit:
 
     def _accumulate(self, rows, mine, work) -> None:
         """End of backward: this unit's asynchronous reduce-scatter is waited for and its
-        share added to ``.grad`` as autograd would (set, or added in place)."""
-        for slot, grad in zip(self.slots, self._finish_reduce_scatter(rows, mine, work),
-                              strict=True):  # fmt: skip
+        share added to ``.grad``."""
+        self._add_to_grads(self._finish_reduce_scatter(rows, mine, work))
+
+    def _add_to_grads(self, shares: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Add this backward's shares to the local parameters' ``.grad`` as autograd would
+        (set, or added in place); the gradients of those that take one."""
+        grads = []
+        for slot, share in zip(self.slots, shares, strict=True):
             local = slot.local
             if not local.requires_grad:
                 continue
             if local.grad is None:
-                local.grad = grad
+                local.grad = share
             else:
-                local.grad += grad
+                local.grad += share
+            grads.append(local.grad)
+        return grads
 
     # -- shadows and storage ----------------------------------------------------------------
 
@@ -338,16 +345,7 @@ class GatherUnit:
     def _sum_replicas_now(self, shares: Sequence[torch.Tensor]) -> None:
         """Add this backward's shares to ``.grad`` and issue their sum over the replicas;
         ``reduce_replicas`` waits for it."""
-        grads = []
-        for slot, share in zip(self.slots, shares, strict=True):
-            local = slot.local
-            if not local.requires_grad:
-                continue
-            if local.grad is None:
-                local.grad = share
-            else:
-                local.grad += share
-            grads.append(local.grad)
+        grads = self._add_to_grads(shares)
         self._replicas_pending = False
         if grads:
             self._replica_sum = AsyncSum(grads, self.groups.replicate, self.reduce_dtype)

@@ -83,10 +83,11 @@ class Layout:
     reduce_itemsize: int = 4  # bytes per element of gradient reductions
 
     @classmethod
-    def parse(cls, mapping: Any, plugin: str) -> Layout:
-        """The record of ``mapping``, or a one-line ``LayoutError`` naming ``plugin`` and
-        the key that is missing, unknown or of the wrong type."""
-        return _parse(cls, mapping, plugin, 'plan["layout"]')
+    def parse(cls, mapping: Any) -> Layout:
+        """The record of ``mapping``, or a one-line ``LayoutError`` naming the plugin that
+        wrote it (its ``owner``) and the key that is missing, unknown or of the wrong type."""
+        owner = mapping.get("owner") if isinstance(mapping, Mapping) else None
+        return _parse(cls, mapping, owner if isinstance(owner, str) else "?", 'plan["layout"]')
 
 
 def _parse(record: type, mapping: Any, plugin: str, where: str):

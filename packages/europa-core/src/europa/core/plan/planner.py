@@ -73,18 +73,11 @@ class Plan:
     model_flops_per_token: int
     activations_by_mode: dict[str, int] = field(default_factory=dict)  # device bytes
     checkpoint_bytes: int = 0  # every parameter and optimizer tensor once
+    # its write at the profile's file-system bandwidth, each node writing its ranks' even
+    # share (None: the profile does not say the bandwidth)
+    checkpoint_write_s: float | None = None
     host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def checkpoint_write_s(self) -> float | None:
-        """One checkpoint's write at the profile's file-system bandwidth per node (each
-        node writes its ranks' even share), or None when the profile does not say it."""
-        gbps = self.hardware.filesystem_gbps
-        if gbps is None:
-            return None
-        nodes = max(1, self.world_size // max(1, min(self.world_size, self.hardware.gpus_per_node)))
-        return self.checkpoint_bytes / nodes / (gbps * 1e9)
 
     @property
     def device_total(self) -> int:
@@ -189,8 +182,7 @@ def plugin_plan(
     if hardware is not None:
         plan["hardware"] = hardware.as_dict()
     plugins.hook.europa_plan(job=job, plan=plan)
-    owner = plan["layout"].get("owner", "?") if isinstance(plan["layout"], dict) else "?"
-    Layout.parse(plan["layout"], owner)  # the contract, checked once: one line if broken
+    Layout.parse(plan["layout"])  # the contract, checked once: one line if broken
     if plan["layout"]["owner"] == FSDP2 and ep > 1:
         raise PluginError(
             f"parallel.ep = {ep}: core's FSDP2 layout has no expert parallelism; expected 1, "
@@ -253,6 +245,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         host_bytes_per_micro_batch=acts.host,
         host_optimizer_bytes=optimizer_on_host,
     )
+    checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
     per_token = model_flops_per_token(shapes, model_cfg, training.seq_len)
     tokens_per_rank = tokens * training.grad_accum_steps
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
@@ -294,7 +287,10 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},
-        checkpoint_bytes=unique_state_bytes(shapes.parameters, config.optimizer.name),
+        checkpoint_bytes=checkpoint,
+        checkpoint_write_s=None
+        if hardware.filesystem_gbps is None
+        else checkpoint / (world_size // per_node) / (hardware.filesystem_gbps * 1e9),
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )
