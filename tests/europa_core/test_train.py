@@ -57,8 +57,10 @@ def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
     assert summary["final_loss"] == records[-1]["loss"]
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
-    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4"]
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, mode):
+    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4",
+             "--set", f'checkpoint.mode="{mode}"']  # fmt: skip
     whole = tmp_path / "whole"
     _train(whole, *steps)
 
@@ -83,6 +85,7 @@ def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
     assert losses["hsdp"] == pytest.approx(losses["fsdp"], rel=1e-6)
     written = tomllib.loads((tmp_path / "hsdp" / "config.toml").read_text())
     assert written["parallel"]["dp_replicate"] == 2
+    _assert_each_byte_once(tmp_path / "hsdp", world=4)  # two replicas of two shards
 
 
 # What changes memory or arithmetic but not the model's course: these runs share one
@@ -120,12 +123,15 @@ def variants(variant_runs) -> dict[str, list[dict]]:
 def test_a_checkpoint_holds_each_byte_once_as_the_plan_says(variant_runs, name):
     """FSDP2 shards, DDP replicas, Muon's state: the bytes on disk are the unique state
     bytes ``europa plan`` reports, not that figure times the replicas."""
+    _assert_each_byte_once(variant_runs[0] / name, world=2)
+
+
+def _assert_each_byte_once(run_dir: Path, world: int) -> None:
     from europa.core.plan import load_profile, make_plan
     from europa.core.session import open_session
 
-    run_dir = variant_runs[0] / name
     config, plugins = open_session(str(run_dir / "config.toml"))
-    plan = make_plan(config, plugins, load_profile("cpu"), 2)
+    plan = make_plan(config, plugins, load_profile("cpu"), world)
     (checkpoint,) = sorted((run_dir / "checkpoints").glob("step-*"))[-1:]
     disk = state_bytes_on_disk(checkpoint, {p.name for p in plan.shapes.parameters})
     assert disk["files"] == disk["indexed"]  # nothing written that is not indexed once

@@ -8,7 +8,7 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 \
 #       spmd_types==0.2.3 tomli_w==1.2.0 tyro==1.0.17 \
-#       docstring_parser==0.18.0 typeguard==4.6.1
+#       docstring_parser==0.18.0 typeguard==4.6.1 crc32c==2.9.post0
 # Then run there, carrying .whl:  bash tools/cuda_smoke/run.sh
 # Results land in $OUT: env.txt, flexshard_alone.json, smoke.txt, pytest_cuda.txt,
 # measured_gpu.toml + measure_hardware.txt (this GPU measured) and plan_bf16_debug.json
@@ -39,6 +39,13 @@ for dtype in float32 bfloat16; do
     [ -f /tmp/runs/$name/metrics.jsonl ] && python3 $here/collect.py /tmp/runs/$name >> $OUT/smoke.txt
   done
 done
+# A background save on CUDA: pinned staging, written while training goes on, then verified.
+timeout 150 python3 -m europa.cli train debug --nproc 1 --run-dir /tmp/runs/async \
+  --set training.steps=6 --set checkpoint.every=2 --set 'checkpoint.mode="async"' \
+  --set metrics.progress=false > /tmp/async.log 2>&1
+echo "async-checkpoint exit=$?" | tee -a $OUT/smoke.txt
+tail -2 /tmp/async.log | cut -c1-400 >> $OUT/smoke.txt
+timeout 60 python3 -m europa.cli checkpoint verify /tmp/runs/async --no-progress >> $OUT/smoke.txt 2>&1
 bf16='training.dtype="bfloat16"'
 timeout 150 python3 -m europa.cli plan debug --measure-hardware --set "$bf16" \
   --set parallel.nproc=1 --out $OUT/measured_gpu.toml > $OUT/measure_hardware.txt 2>&1

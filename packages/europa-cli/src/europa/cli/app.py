@@ -1,5 +1,5 @@
-"""``europa``: train, plan, plugins, config, data. Every bad input ends in one line on stderr
-and exit code 2, never a traceback."""
+"""``europa``: train, plan, plugins, config, data, checkpoint. Every bad input ends in one
+line on stderr and exit code 2, never a traceback."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import sys
 
 import typer
 
-from europa.cli import config_cmd, data_cmd, hf_cmd, plan_cmd, plugins_cmd, train_cmd
+from europa.cli import (
+    checkpoint_cmd,
+    config_cmd,
+    data_cmd,
+    hf_cmd,
+    plan_cmd,
+    plugins_cmd,
+    train_cmd,
+)
 from europa.core.errors import WorkerFailed, is_user_error, one_line
 from europa.core.plugins import EuropaPluginManager
 
@@ -28,6 +36,7 @@ def build_app(manager: EuropaPluginManager) -> typer.Typer:
     config_app = config_cmd.register(app, manager)
     hf_cmd.register(app, manager, config_app)
     data_cmd.register(app, manager)
+    checkpoint_cmd.register(app)
     manager.all_hooks.europa_register_commands(app=app)  # every installed plugin, enabled or not
     return app
 

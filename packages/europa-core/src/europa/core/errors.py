@@ -38,6 +38,18 @@ class CheckpointError(EuropaError):
     """A checkpoint is missing, incomplete or does not match the run."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint file's bytes differ from what was written (a checksum check)."""
+
+    def __init__(self, file: str, problem: str) -> None:
+        super().__init__(f"checkpoint file {file!r} is damaged: {problem}")
+        self.file = file
+        self.problem = problem
+
+    def __reduce__(self):  # crosses ranks inside DCP's gathered failures
+        return (type(self), (self.file, self.problem))
+
+
 class RendezvousTimedOut(LaunchError):
     """Not every node joined the rendezvous in time; nothing was trained."""
 

@@ -21,6 +21,11 @@ EXPERT_IMBALANCE = "expert_imbalance"  # {layer: max / mean share}
 EXPERT_LOAD = "expert_load"  # {layer: [share per expert]}
 SKIPPED = "skipped"
 SKIPPED_STEPS = "skipped_steps"
+# The save after the step before this record's: the seconds training stopped for it, of
+# which waiting for the save before it to finish ("async"), and rank 0's host copy.
+CHECKPOINT_S = "checkpoint_s"
+CHECKPOINT_WAIT_S = "checkpoint_wait_s"
+CHECKPOINT_STAGING_BYTES = "checkpoint_staging_bytes"
 VAL_LOSS = "val_loss"
 VAL_PERPLEXITY = "val_perplexity"
 
@@ -42,4 +47,5 @@ TRAINING_KEYS = frozenset(
     }
 )
 VALIDATION_KEYS = frozenset({VAL_LOSS, VAL_PERPLEXITY})
-CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS
+CHECKPOINT_KEYS = frozenset({CHECKPOINT_S, CHECKPOINT_WAIT_S, CHECKPOINT_STAGING_BYTES})
+CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS

@@ -12,6 +12,10 @@ on 1 and 2 ranks, expert-parallel and not) and plain containers; non-tensor valu
 through ``torch.load(weights_only=True)``; and every shard file the metadata names must
 be a file inside the checkpoint folder. Anything else is refused in one line before it
 is built.
+
+Where the marker recorded checksums, ``.metadata`` is checked whole before it is
+unpickled, and each piece of a shard file as it is read (``europa.core.checkpoint.
+checksums``), so a flipped bit is refused naming its file, never loaded.
 """
 
 from __future__ import annotations
@@ -29,7 +33,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
-from europa.core.errors import CheckpointError
+from europa.core.checkpoint.checksums import check_piece
+from europa.core.checkpoint.marker import MARKER, FileRecord, Piece, UnreadableMarker, read_marker
+from europa.core.errors import CheckpointError, DamagedCheckpoint
 
 METADATA_FILE = ".metadata"
 
@@ -72,18 +78,22 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise _RefusedGlobal(f"{module}.{name}")
 
 
-def read_metadata(checkpoint: Path) -> Metadata:
-    """The checkpoint's DCP metadata, read without running anything it names."""
+def read_metadata(checkpoint: Path, saved: FileRecord | None = None) -> Metadata:
+    """The checkpoint's DCP metadata, read without running anything it names; checked
+    against its ``saved`` size and checksum when given."""
     file = checkpoint / METADATA_FILE
     try:
-        with file.open("rb") as stream:
-            metadata = _MetadataUnpickler(stream).load()
+        content = file.read_bytes()
+        _check_whole(file, content, saved)
+        metadata = _MetadataUnpickler(io.BytesIO(content)).load()
     except _RefusedGlobal as err:
         raise CheckpointError(
             f"checkpoint metadata {str(file)!r} asks to load {err}, which is not checkpoint "
             "metadata; refused without running it (expected only torch.distributed."
             "checkpoint's metadata classes)"
         ) from None
+    except CheckpointError:
+        raise
     except OSError as err:
         raise CheckpointError(
             f"checkpoint metadata {str(file)!r}: {err.strerror or err}; expected a readable file"
@@ -102,6 +112,12 @@ def read_metadata(checkpoint: Path) -> Metadata:
     return metadata
 
 
+def _check_whole(file: Path, content: bytes, saved: FileRecord | None) -> None:
+    if saved is None or saved.crc32c is None:
+        return
+    check_piece(file, 0, content, Piece(0, saved.bytes or 0, saved.crc32c))
+
+
 def _check_shard_files(file: Path, metadata: Metadata) -> None:
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
@@ -113,8 +129,37 @@ def _check_shard_files(file: Path, metadata: Metadata) -> None:
 
 
 class RestrictedFileSystemReader(FileSystemReader):
-    """DCP's file system reader with ``read_metadata`` through ``read_metadata`` above.
-    Per-rank metadata files (``__N.metadata``, never written by europa) are refused."""
+    """DCP's file system reader with ``read_metadata`` through ``read_metadata`` above,
+    checking each piece it reads against ``pieces`` ((file name, offset) -> piece) when
+    the checkpoint recorded them. Per-rank metadata files (``__N.metadata``, never
+    written by europa) are refused."""
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        metadata: FileRecord | None = None,
+        pieces: dict[tuple[str, int], Piece] | None = None,
+    ) -> None:
+        super().__init__(path)
+        self.saved_metadata = metadata
+        self.pieces = pieces
+
+    def _slice_file(self, file: Any, sinfo: Any) -> Any:
+        if self.pieces is None:  # a checkpoint from before checksums
+            return super()._slice_file(file, sinfo)
+        where = Path(self.path) / sinfo.relative_path
+        piece = self.pieces.get((sinfo.relative_path, sinfo.offset))
+        if piece is None or piece.length != sinfo.length:
+            raise DamagedCheckpoint(
+                str(where),
+                f"the metadata names bytes {sinfo.offset}..{sinfo.offset + sinfo.length}, "
+                "which the marker does not record",
+            )
+        file.seek(sinfo.offset)
+        content = file.read(sinfo.length)
+        check_piece(where, sinfo.offset, content, piece)
+        return io.BytesIO(content)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:
@@ -122,7 +167,7 @@ class RestrictedFileSystemReader(FileSystemReader):
                 f"checkpoint {str(self.path)!r}: per-rank metadata is not read; expected "
                 f"a {METADATA_FILE} file"
             )
-        metadata = read_metadata(Path(self.path))
+        metadata = read_metadata(Path(self.path), self.saved_metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -149,12 +194,40 @@ class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
-def load_restricted(state: dict[str, Any], checkpoint: Path, **kwargs: Any) -> None:
+def saved_checks(
+    checkpoint: Path,
+) -> tuple[FileRecord | None, dict[tuple[str, int], Piece] | None]:
+    """What a complete checkpoint's marker says to check its reads against: the
+    metadata's record and every piece, or None for either where it recorded none (or
+    for a folder DCP wrote without europa's marker)."""
+    if not (checkpoint / MARKER).exists():
+        return None, None
+    try:
+        marker = read_marker(checkpoint)
+    except UnreadableMarker:
+        raise CheckpointError(
+            f"checkpoint {str(checkpoint)!r}: its marker file {MARKER} is unreadable; "
+            "expected the marker a complete save writes"
+        ) from None
+    return marker.files.get(METADATA_FILE), (marker.pieces_by_offset() or None)
+
+
+def load_restricted(
+    state: dict[str, Any],
+    checkpoint: Path,
+    *,
+    metadata: FileRecord | None = None,
+    pieces: dict[tuple[str, int], Piece] | None = None,
+    **kwargs: Any,
+) -> None:
     """``dcp.load`` of ``checkpoint`` into ``state`` through the restricted reader and
-    planner above (``kwargs``: the rest of ``dcp.load``'s, e.g. ``no_dist``)."""
+    planner above, checking what it reads against the saved ``metadata`` record and
+    ``pieces`` (``kwargs``: the rest of ``dcp.load``'s, e.g. ``no_dist``)."""
     dcp.load(
         state,
-        storage_reader=RestrictedFileSystemReader(str(checkpoint)),
+        storage_reader=RestrictedFileSystemReader(
+            str(checkpoint), metadata=metadata, pieces=pieces
+        ),
         planner=WeightsOnlyLoadPlanner(),
         **kwargs,
     )

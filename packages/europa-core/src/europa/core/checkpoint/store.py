@@ -1,22 +1,22 @@
 """Distributed checkpoints (torch.distributed.checkpoint) that are never half-written.
 
 Every rank writes its shards into ``checkpoints/.step-NNNNNNNN.partial``; only
-after all ranks have finished does rank 0 rename it to ``step-NNNNNNNN``. A
-crash mid-save leaves a ``.partial`` folder that is never loaded and is
-cleared on resume and by the next save.
+after all ranks have finished does rank 0 write the marker and rename it to
+``step-NNNNNNNN``. A crash mid-save leaves a ``.partial`` folder that is never loaded
+and is cleared on resume and by the next save.
 
-The marker file that completes a checkpoint records the size of every file in it. On
-resume, a checkpoint whose files are missing or of another size (a truncated copy, a
-lost ``.metadata``) is damaged: refused in one line, or skipped for the newest intact
-one with ``--resume-from-older``. Sizes cost one ``stat`` per file; a checksum would
-mean reading every byte of a checkpoint on one rank, at save and again on resume.
+The marker records every file's size and crc32c, and every piece's crc32c, computed
+as the bytes were written (``checksums``, ``marker``). A checkpoint whose files are
+missing, of another size, or whose ``.metadata`` fails its checksum is damaged, found
+before loading at the cost of one ``stat`` per file; a flipped bit in a shard file is
+found as the piece holding it is read. Either is refused in one line naming the
+file, or skipped for an older intact checkpoint with ``--resume-from-older``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import json
 import os
 import re
 import shutil
@@ -31,14 +31,27 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
-from europa.core.checkpoint.reader import load_restricted, read_metadata
+from europa.core.checkpoint.checksums import ChecksummingWriter, file_problem
+from europa.core.checkpoint.marker import (
+    MARKER,
+    FileRecord,
+    UnreadableMarker,
+    read_marker,
+    write_marker,
+)
+from europa.core.checkpoint.reader import (
+    METADATA_FILE,
+    load_restricted,
+    read_metadata,
+    saved_checks,
+)
 from europa.core.errors import CheckpointError, ConfigError, is_user_error
 from europa.core.launch.faults import root_exception
 from europa.core.run_dir import CHECKPOINTS
 
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-MARKER = "europa-checkpoint.json"
 T = TypeVar("T")
+__all__ = ["MARKER"]
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -64,35 +77,58 @@ def latest_checkpoint(run_dir: Path) -> tuple[int, Path] | None:
 
 
 def damage(path: Path) -> str | None:
-    """What is wrong with the files of a complete checkpoint, or None when intact."""
+    """What is wrong with the files of a complete checkpoint, or None when intact as far
+    as sizes and the metadata's checksum tell (shard files are checked as read)."""
     try:
-        recorded = json.loads((path / MARKER).read_text()).get("files")
-    except (OSError, ValueError, AttributeError):
+        marker = read_marker(path)
+    except UnreadableMarker:
         return f"its marker file {MARKER} is unreadable"
-    if recorded is None:  # written before the marker recorded sizes
-        recorded = {".metadata": None}
-    for name, size in sorted(recorded.items()):
+    for name, record in sorted(marker.files.items()):
         file = path / name
         if not file.is_file():
             return f"its file {name} is missing"
-        actual = file.stat().st_size
-        if size is not None and actual != size:
-            return f"its file {name} has {actual} bytes, {size} when saved"
+        if record.bytes is not None and file.stat().st_size != record.bytes:
+            return f"its file {name} has {file.stat().st_size} bytes, {record.bytes} when saved"
+    metadata = marker.files.get(METADATA_FILE)
+    if metadata is not None and metadata.crc32c is not None:
+        return file_problem(path / METADATA_FILE, metadata)
     return None
 
 
+def find_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
+    """Complete checkpoint ``step`` of ``run_dir`` (None: the newest)."""
+    done = complete_checkpoints(run_dir)
+    if not done:
+        raise CheckpointError(
+            f"{str(run_dir)!r} holds no complete checkpoint: expected a run directory with "
+            "checkpoints/step-*"
+        )
+    if step is None:
+        return done[-1]
+    for found in done:
+        if found[0] == step:
+            return found
+    steps = ", ".join(str(s) for s, _ in done)
+    raise CheckpointError(f"--step = {step}: expected one of the saved steps ({steps})")
+
+
 def checkpoint_to_resume(
-    run_dir: Path, total_steps: int, *, from_older: bool = False
+    run_dir: Path,
+    total_steps: int,
+    *,
+    from_older: bool = False,
+    damaged: dict[Path, str] | None = None,
 ) -> tuple[int, Path]:
     """The newest complete checkpoint, if a run of ``total_steps`` can continue from it;
-    with ``from_older``, the newest intact one when newer ones are damaged."""
+    with ``from_older``, the newest intact one when newer ones are damaged. ``damaged``:
+    what loading found wrong with checkpoints that looked intact."""
     complete = complete_checkpoints(run_dir)
     if not complete:
         raise CheckpointError(
             f"--resume: {str(run_dir)!r} holds no complete checkpoint; expected "
             "checkpoints/step-* from an earlier run"
         )
-    found = _newest_intact(complete, from_older)
+    found = _newest_intact(complete, from_older, damaged or {})
     done, path = found
     if done > total_steps:
         raise ConfigError(
@@ -102,12 +138,17 @@ def checkpoint_to_resume(
     return found
 
 
-def _newest_intact(complete: list[tuple[int, Path]], from_older: bool) -> tuple[int, Path]:
+def _newest_intact(
+    complete: list[tuple[int, Path]], from_older: bool, damaged: dict[Path, str]
+) -> tuple[int, Path]:
+    def problem_of(path: Path) -> str | None:
+        return damaged.get(path) or damage(path)
+
     newest = complete[-1][1]
-    problem = damage(newest)
+    problem = problem_of(newest)
     if problem is None:
         return complete[-1]
-    older = next(((s, p) for s, p in reversed(complete[:-1]) if damage(p) is None), None)
+    older = next(((s, p) for s, p in reversed(complete[:-1]) if problem_of(p) is None), None)
     if from_older and older is not None:
         return older
     if older is None:
@@ -121,14 +162,20 @@ def _newest_intact(complete: list[tuple[int, Path]], from_older: bool) -> tuple[
 
 
 def agreed_checkpoint_to_resume(
-    run_dir: Path, total_steps: int, *, from_older: bool = False
+    run_dir: Path,
+    total_steps: int,
+    *,
+    from_older: bool = False,
+    damaged: dict[Path, str] | None = None,
 ) -> tuple[int, Path]:
     """``checkpoint_to_resume`` decided on rank 0 (which also clears leftover partial
     saves) and shared, so every rank loads the same checkpoint or raises the same error."""
     outcome: tuple[int, Path] | Exception | None = None
     if _is_main():
         try:
-            outcome = checkpoint_to_resume(run_dir, total_steps, from_older=from_older)
+            outcome = checkpoint_to_resume(
+                run_dir, total_steps, from_older=from_older, damaged=damaged
+            )
             clear_partials(run_dir)
         except (CheckpointError, ConfigError) as err:
             outcome = err
@@ -144,9 +191,9 @@ def clear_partials(run_dir: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(group: dist.ProcessGroup | None = None) -> None:
+    if not _alone():
+        dist.barrier(group=group)
 
 
 def _is_main() -> bool:
@@ -199,9 +246,30 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     keep: int = 0,
     record: dict[str, Any] | None = None,
+    *,
+    max_bytes_per_s: float = 0,
 ) -> Path:
     """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
-    and the trainer's own state as checkpoint ``step``; every rank calls it.
+    and the trainer's own state as checkpoint ``step``; every rank calls it, and
+    training waits for it (``background.BackgroundSaves`` writes while it goes on)."""
+    everything = {**state.state_dict(), "trainer": trainer_state}
+    return write_checkpoint(
+        run_dir, step, everything, keep=keep, record=record, max_bytes_per_s=max_bytes_per_s
+    )
+
+
+def write_checkpoint(
+    run_dir: Path,
+    step: int,
+    state_dict: dict[str, Any],
+    *,
+    keep: int = 0,
+    record: dict[str, Any] | None = None,
+    group: dist.ProcessGroup | None = None,
+    max_bytes_per_s: float = 0,
+) -> Path:
+    """Write ``state_dict`` as checkpoint ``step``, on every rank of ``group`` (None: the
+    default group), each rank writing at most ``max_bytes_per_s`` (0: no limit).
 
     A full disk (on any rank) removes the partial checkpoint and raises a
     CheckpointError on every rank; earlier checkpoints are untouched. ``record`` goes
@@ -211,24 +279,26 @@ def save_checkpoint(
     if _is_main():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
+    writer = ChecksummingWriter(str(partial), max_bytes_per_s=max_bytes_per_s)
     try:
-        everything = {**state.state_dict(), "trainer": trainer_state}
         with _quiet_when_alone():
-            dcp.save(everything, checkpoint_id=str(partial), no_dist=_alone())
+            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=_alone())
     except CheckpointException as err:  # the same on every rank: DCP gathers the failures
         # Rank 0 judges (free space is what it sees before it frees any) for every rank.
         full = _is_main() and _is_disk_full(root_exception(err), partial)
-        failure = _from_main(DISK_FULL if full else None)
+        failure = _from_main(DISK_FULL if full else None, group)
         if failure is None:
             raise
     else:
-        failure = _finish(run_dir, partial, final, step, keep, record) if _is_main() else None
-        failure = _from_main(failure)
+        failure = None
+        if _is_main():
+            failure = _finish(run_dir, partial, final, step, keep, writer, record)
+        failure = _from_main(failure, group)
     if failure is not None:
         if _is_main():
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier()  # the space is free again before any rank writes its error report
+        _barrier(group)  # the space is free again before any rank writes its error report
         raise CheckpointError(
             f"checkpoint of step {step}: {failure}; the earlier checkpoints are intact: "
             f"free space under {str(partial.parent)!r}, then continue with: "
@@ -257,15 +327,18 @@ def _is_disk_full(err: BaseException, where: Path) -> bool:
 
 
 def _finish(
-    run_dir: Path, partial: Path, final: Path, step: int, keep: int, record: dict | None
+    run_dir: Path,
+    partial: Path,
+    final: Path,
+    step: int,
+    keep: int,
+    writer: ChecksummingWriter,
+    record: dict | None,
 ) -> str | None:
     """Rank 0, once every rank has written: the marker, the rename, pruning. Returns
     what went wrong when the disk is full, else None."""
-    sizes = {file.name: file.stat().st_size for file in partial.iterdir() if file.is_file()}
     try:
-        (partial / MARKER).write_text(
-            json.dumps({"step": step, "files": sizes, **(record or {})}) + "\n"
-        )
+        write_marker(partial, step, _file_records(partial, writer), writer.pieces, record)
     except OSError as err:
         if not _is_disk_full(err, partial):
             raise
@@ -276,12 +349,28 @@ def _finish(
     return None
 
 
-def _from_main(outcome: T) -> T:
+def _file_records(partial: Path, writer: ChecksummingWriter) -> dict[str, FileRecord]:
+    """Every file of the checkpoint as the writer checksummed it. A rank with nothing to
+    write leaves an empty file that no write result names."""
+    records = {}
+    for file in sorted(partial.iterdir()):
+        size = file.stat().st_size
+        record = writer.files.get(file.name) or (FileRecord(0, 0) if size == 0 else None)
+        if record is None or record.bytes != size:
+            raise RuntimeError(
+                f"checkpoint writer: {file} holds {size} bytes, but the write results "
+                f"record {record}; expected every file's bytes to pass through the writer"
+            )
+        records[file.name] = record
+    return records
+
+
+def _from_main(outcome: T, group: dist.ProcessGroup | None = None) -> T:
     """Rank 0's outcome on every rank (a collective: also the barrier that ends a save)."""
-    if not dist.is_initialized():
+    if _alone():
         return outcome
     shared = [outcome]
-    dist.broadcast_object_list(shared, src=0)
+    dist.broadcast_object_list(shared, src=0, group=group)
     return shared[0]
 
 
@@ -334,10 +423,11 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
     template = state.state_dict()
     loaded = {**template, "trainer": dict(trainer_state)}
-    read_metadata(path)  # refused here, in one line, before DCP sees it
+    metadata, pieces = saved_checks(path)
+    read_metadata(path, metadata)  # refused here, in one line, before DCP sees it
     try:
         with _quiet_when_alone():
-            load_restricted(loaded, path, no_dist=_alone())
+            load_restricted(loaded, path, metadata=metadata, pieces=pieces, no_dist=_alone())
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         if is_user_error(root_exception(err)):  # e.g. a stored value refused as unsafe
             raise root_exception(err) from None

@@ -164,6 +164,18 @@ class DataConfig:
 class CheckpointConfig:
     every: int = setting(0, ge=0, doc="save every N steps; 0: only at the end")
     keep: int = setting(0, ge=0, doc="keep the newest N checkpoints; 0 keeps all")
+    mode: str = setting(
+        "sync",
+        choices=("sync", "async"),
+        doc='"async": copy the state to host memory and write it while training goes on '
+        '(one save in flight); "sync": training waits for the write',
+    )
+    max_write_mbps: float = setting(
+        0.0,
+        ge=0,
+        doc="cap each rank's checkpoint writing at this many MB/s (a shared file system's "
+        "fair share, or a slow one emulated); 0: no cap",
+    )
 
 
 @dataclass(kw_only=True)

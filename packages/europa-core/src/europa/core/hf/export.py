@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from europa.core.checkpoint.reader import load_restricted, read_metadata
+from europa.core.checkpoint.reader import load_restricted, read_metadata, saved_checks
+from europa.core.checkpoint.store import find_checkpoint
 from europa.core.errors import CheckpointError, ConfigError
 from europa.core.hf.config_map import check_exportable, hf_config_from_model
 from europa.core.hf.names import Source, hf_tensors, name_map
@@ -98,7 +99,8 @@ def _read_file(path: Path, file: _File, shapes, present: set[str]) -> dict[str, 
     if state:
         with warnings.catch_warnings():  # one process on purpose
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            load_restricted(state, path, no_dist=True)
+            metadata, pieces = saved_checks(path)
+            load_restricted(state, path, metadata=metadata, pieces=pieces, no_dist=True)
     out = {}
     for name, run in runs.items():
         local = locals_.get(name)
@@ -114,24 +116,6 @@ def _cast(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # The routing bias stays fp32, as DeepSeek-V3 publishes it and transformers keeps it.
     keep = key.endswith("e_score_correction_bias")
     return (tensor if keep else tensor.to(dtype)).contiguous()
-
-
-def find_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
-    from europa.core.checkpoint.store import complete_checkpoints
-
-    done = complete_checkpoints(run_dir)
-    if not done:
-        raise CheckpointError(
-            f"{str(run_dir)!r} holds no complete checkpoint: expected a run directory with "
-            "checkpoints/step-*"
-        )
-    if step is None:
-        return done[-1]
-    for found in done:
-        if found[0] == step:
-            return found
-    steps = ", ".join(str(s) for s, _ in done)
-    raise CheckpointError(f"--step = {step}: expected one of the saved steps ({steps})")
 
 
 def _prepare_out(out: Path) -> Path:

@@ -18,9 +18,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from europa.core.checkpoint import store as checkpoint
+from europa.core.checkpoint.background import BackgroundSaves
 from europa.core.checkpoint.global_batch import KEY as GLOBAL_BATCH
 from europa.core.checkpoint.global_batch import check_global_batch, global_batch
 from europa.core.config.schema import EuropaConfig
+from europa.core.errors import DamagedCheckpoint
 from europa.core.hf.load import HFInitialiser, load_buffers, open_initialiser
 from europa.core.job import Job
 from europa.core.launch.distributed import (
@@ -45,6 +47,7 @@ from europa.core.train.nonfinite import SkippedSteps
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
+from europa.spec.metrics import CHECKPOINT_S, CHECKPOINT_STAGING_BYTES, CHECKPOINT_WAIT_S
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -105,6 +108,11 @@ class Trainer:
         self.model = model
         built = hook.europa_build_optimizer(job=job, model=model)
         self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=built)
+        self.background = (
+            BackgroundSaves(job.device, max_bytes_per_s=cfg.checkpoint.max_write_mbps * 1e6)
+            if cfg.checkpoint.mode == "async"
+            else None
+        )
         self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
         job.optimizer = built
         hook.europa_wrap_optimizer(job=job)
@@ -143,25 +151,59 @@ class Trainer:
         }
 
     def restore(self) -> int:
-        _, path = checkpoint.agreed_checkpoint_to_resume(
-            self.job.run_dir, self.job.config.training.steps, from_older=self.from_older
-        )
-        check_global_batch(path, self.job.config.training, self.job.world_size)
-        state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
+        damaged: dict[Path, str] = {}  # what loading found (a flipped bit), by checkpoint
+        while True:
+            _, path = checkpoint.agreed_checkpoint_to_resume(
+                self.job.run_dir,
+                self.job.config.training.steps,
+                from_older=self.from_older,
+                damaged=damaged,
+            )
+            check_global_batch(path, self.job.config.training, self.job.world_size)
+            try:
+                state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
+                break
+            except DamagedCheckpoint as err:  # on every rank: DCP gathers read failures
+                damaged[path] = f"its file {Path(err.file).name}: {err.problem}"
+                if self.job.is_main and self.from_older:
+                    print(f"europa: {path.name} is damaged ({damaged[path]}); looking for "
+                          "an older intact checkpoint", file=sys.stderr, flush=True)  # fmt: skip
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped.count = int(state["skipped_steps"])
         return int(state["step"])
 
-    def save(self, step: int) -> Path:
+    def save(self, step: int) -> dict[str, float]:
+        """Checkpoint ``step``; returns the seconds training waited for it: the whole
+        write (``"sync"``), or the staging copy and any wait for the save before it."""
         self.progress.mark("saving", step)
-        return checkpoint.save_checkpoint(
-            self.job.run_dir,
-            step,
-            self.state,
-            self._trainer_state(step),
-            keep=self.job.config.checkpoint.keep,
-            record={GLOBAL_BATCH: global_batch(self.job.config.training, self.job.world_size)},
-        )
+        cfg = self.job.config.checkpoint
+        record = {GLOBAL_BATCH: global_batch(self.job.config.training, self.job.world_size)}
+        started = time.perf_counter()
+        if self.background is None:
+            checkpoint.save_checkpoint(
+                self.job.run_dir,
+                step,
+                self.state,
+                self._trainer_state(step),
+                keep=cfg.keep,
+                record=record,
+                max_bytes_per_s=cfg.max_write_mbps * 1e6,
+            )
+            return {CHECKPOINT_S: time.perf_counter() - started}
+        times = self.background.save(
+            self.job.run_dir, step, self.state, self._trainer_state(step),
+            keep=cfg.keep, record=record,
+        )  # fmt: skip
+        return {
+            CHECKPOINT_S: time.perf_counter() - started,
+            CHECKPOINT_WAIT_S: times.waited_s,
+            CHECKPOINT_STAGING_BYTES: self.background.staging_bytes,
+        }
+
+    def finish_saves(self) -> None:
+        """Wait for the background save in flight, if any (raises its failure)."""
+        if self.background is not None:
+            self.background.wait()
 
     # -- one step -------------------------------------------------------------------------
 
@@ -267,6 +309,7 @@ class Trainer:
         began = time.perf_counter()
         done = saved_at = start
         stopped_by = None
+        after_save: dict[str, float] = {}
         with StopRequest() as stop:
             for step in range(start, cfg.training.steps):
                 record = self.step(step)
@@ -278,17 +321,20 @@ class Trainer:
                 if self._evaluates_after(done) and not stopping:
                     validation = self.evaluate()
                     record.update(validation)
+                record.update(after_save)  # the save after the step before this one
                 logged = done % cfg.metrics.log_every == 0 or done == cfg.training.steps
-                if stopping or logged or "val_loss" in record:
-                    job.emit_metrics(record)
+                if stopping or logged or "val_loss" in record or CHECKPOINT_S in record:
+                    job.emit_metrics(record)  # before the save: a checkpoint's steps are logged
+                after_save = {}
                 if cfg.checkpoint.every and done % cfg.checkpoint.every == 0:
-                    self.save(done)
+                    after_save = self.save(done)
                     saved_at = done
                 if stopping:
                     stopped_by = stop.signal_name or "a signal to another rank"
                     break
             if saved_at != done:
                 self.save(done)
+            self.finish_saves()
         self.progress.mark("finished", done)
         summary = {
             "steps": done,

@@ -1,0 +1,72 @@
+"""Background saves on 2 gloo ranks, as a user runs them (``europa train``, a slow file
+system emulated by ``checkpoint.max_write_mbps``): Ctrl-C during a background write
+waits for it before the final save; a rank killed during one leaves the previous
+checkpoint to resume from, and the partial one is removed on resume."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from europa.core.checkpoint.store import complete_checkpoints
+from europa.core.checkpoint.verify import verify_checkpoint
+from europa.core.launch.progress import read_progress
+
+from .conftest import ctrl_c, europa_env, last_line, records, start_training, wait_for
+
+# About 12 MB of state a rank (tiny, AdamW): some 1.5 s to write at 8 MB/s, tens of steps.
+ASYNC = ["--set", 'checkpoint.mode="async"', "--set", "checkpoint.every=2",
+         "--set", "checkpoint.keep=0"]  # fmt: skip
+SLOW = ["--set", "checkpoint.max_write_mbps=8"]
+
+
+def _writing(run_dir, rank: int) -> list:
+    """Partial checkpoints in which ``rank`` has begun its file."""
+    return sorted((run_dir / "checkpoints").glob(f".step-*.partial/__{rank}_0.distcp"))
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_ctrl_c_and_a_killed_rank_during_background_writes(tmp_path, fault_plugin_dir):
+    env, run_dir = europa_env(fault_plugin_dir), tmp_path / "run"
+    many = ["--set", "training.steps=100000"]
+
+    launcher = start_training(env, "--nproc", "2", "--run-dir", str(run_dir), *many, *ASYNC,
+                              *SLOW)  # fmt: skip
+    wait_for(lambda: _writing(run_dir, 0), launcher)
+    ctrl_c(launcher)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    done = len(records(run_dir))
+    assert last_line(err) == (
+        f"europa: stopped by SIGINT after step {done} of 100000, checkpoint saved; "
+        f"continue with: europa train --resume --run-dir {run_dir}"
+    )
+    saved = [step for step, _ in complete_checkpoints(run_dir)]
+    assert saved[0] == 2 and saved[-1] == done  # the write in flight finished, then the last
+    for step in saved:
+        assert verify_checkpoint(run_dir, step, progress=False).problem is None
+    # each periodic save's times are in the next step's record
+    waited = [r["step"] - 1 for r in records(run_dir) if "checkpoint_wait_s" in r]
+    assert waited == list(range(2, done, 2))
+
+    launcher = start_training(env, "--resume", "--run-dir", str(run_dir), *many, *ASYNC, *SLOW)
+    wait_for(lambda: len(records(run_dir)) > done and _writing(run_dir, 1), launcher)
+    newest = complete_checkpoints(run_dir)[-1][0]
+    (writing,) = [p.parent for p in _writing(run_dir, 1)]
+    os.kill(read_progress(run_dir)[1]["pid"], signal.SIGKILL)
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 128 + 9, err
+    assert "worker rank 1 was killed by SIGKILL" in last_line(err)
+    assert complete_checkpoints(run_dir)[-1][0] == newest  # the write in flight never completed
+    assert writing.is_dir()
+
+    launcher = start_training(env, "--resume", "--run-dir", str(run_dir),
+                              "--set", f"training.steps={newest + 2}", *ASYNC)  # fmt: skip
+    _, err = launcher.communicate(timeout=120)
+    assert launcher.returncode == 0, err
+    assert [r["step"] for r in records(run_dir)] == list(range(1, newest + 3))
+    assert not writing.exists()  # cleared on resume
+    assert complete_checkpoints(run_dir)[-1][0] == newest + 2
