@@ -11,10 +11,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
+from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.launch.lock import RunDirLock
+from europa.core.launch.progress import read_progress
 from europa.core.run_dir import LOCK_FILE
 
 STEPS = 40
@@ -55,6 +58,47 @@ def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_go
             first.kill()
     assert [r["step"] for r in _records(run_dir)] == list(range(1, STEPS + 1))
     assert (run_dir / "summary.json").is_file()
+    alone = tmp_path / "alone"
+    subprocess.run([*TRAIN, "--run-dir", str(alone), "--set", f"training.steps={STEPS}",
+                    "--set", "checkpoint.every=10"], check=True, capture_output=True)  # fmt: skip
+    assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(alone)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+@pytest.mark.distributed
+def test_a_training_killed_with_sigkill_can_be_resumed_at_once(tmp_path):
+    """The launcher holds the lock; killed, its workers follow it (they would otherwise
+    train on as orphans in the directory the resume takes), and --resume needs nothing."""
+    run_dir = tmp_path / "killed"
+    first = subprocess.Popen([*TRAIN, "--run-dir", str(run_dir), "--set", "training.steps=100000",
+                              "--set", "checkpoint.every=3"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while len(_records(run_dir)) < 4:
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        workers = [record["pid"] for record in read_progress(run_dir).values()]
+    finally:
+        first.kill()
+        first.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in workers):
+        assert time.monotonic() < deadline, "the workers outlived their launcher"
+        time.sleep(0.1)
+    newest = complete_checkpoints(run_dir)[-1][0]
+    resumed = subprocess.run([*TRAIN, "--resume", "--run-dir", str(run_dir),
+                              "--set", f"training.steps={newest + 2}"],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, newest + 3))
 
 
 def test_a_holder_that_dies_leaves_no_stale_lock(tmp_path):

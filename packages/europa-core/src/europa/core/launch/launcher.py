@@ -41,6 +41,7 @@ from europa.core.launch.distributed import (
 from europa.core.launch.interrupt import ForwardedInterrupts
 from europa.core.launch.lock import RunDirLock
 from europa.core.launch.nodes import Nodes
+from europa.core.launch.orphan import announce_launcher
 from europa.core.launch.prepare import check_run_dir, prepare_run_dir
 from europa.core.launch.restart import is_restart, resumes
 from europa.core.plugins.manager import EuropaPluginManager
@@ -297,6 +298,7 @@ def launch_local_workers(
     shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
     shutil.rmtree(run_dir / PROGRESS, ignore_errors=True)
     interrupts = ForwardedInterrupts(run_dir)
+    announce_launcher()
     try:
         with interrupts:
             elastic_launch(launch, sys.executable)(*args)

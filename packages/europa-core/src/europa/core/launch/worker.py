@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from europa.core.errors import WorkerFailed, is_user_error, one_line
+from europa.core.launch.orphan import exit_with_launcher
 from europa.core.run_dir import worker_error_file
 
 
@@ -18,6 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--resume-from-older", action="store_true")
     args = parser.parse_args(argv)
+    exit_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
     try:
         from europa.core.launch.progress import RankProgress
