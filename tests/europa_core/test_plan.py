@@ -14,12 +14,14 @@ from europa.core.model import build_moe_model
 from europa.core.model.counting import ParameterCounts
 from europa.core.plan import load_profile, make_plan, shipped_profiles
 from europa.core.plan.activations import block_activations
+from europa.core.plan.checkpoint import lost_per_save
 from europa.core.plan.layout import fsdp2_layout
 from europa.core.plan.memory import HostOffload, activations
 from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.search import smallest_replica
 from europa.core.plan.shapes import ModelShapes, ParameterShape
 from europa.core.session import open_session
+from europa.spec.units import human
 
 
 def test_every_shipped_profile_loads():
@@ -188,3 +190,88 @@ def test_the_checkpoint_is_planned_once_whatever_the_copies_and_timed_by_the_fil
     assert make_plan(config, plugins, hardware, 8).checkpoint_write_s is None  # not given
     timed = make_plan(config, plugins, dataclasses.replace(hardware, filesystem_gbps=2.0), 8)
     assert timed.checkpoint_write_s == pytest.approx(timed.checkpoint_bytes / 2 / 2e9)  # 2 nodes
+
+
+def _debug_plan(overrides=(), plugins=(), hardware="gh200-jupiter", ranks=8, **profile):
+    import dataclasses
+
+    config, manager = open_session("debug", list(overrides), list(plugins))
+    profile_ = dataclasses.replace(load_profile(hardware), **profile)
+    return make_plan(config, manager, profile_, ranks)
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 8])  # FSDP2, HSDP, DDP
+def test_an_async_save_stages_the_ranks_own_state_in_host_memory(replicas):
+    layout = [f"parallel.dp_replicate={replicas}"]
+    sync = _debug_plan(layout)
+    plan = _debug_plan([*layout, 'checkpoint.mode="async"'])
+    rank = plan.state.most_loaded()
+    held = plan.state.parameters[rank] + plan.state.optimizer_state[rank]
+    assert plan.checkpoint_staging_bytes == plan.host_terms["checkpoint_staging"] == held
+    assert plan.host_total == sync.host_total + held
+    assert sync.checkpoint_staging_bytes == sync.host_terms["checkpoint_staging"] == 0
+    assert sync.checkpoint_stage_bytes == held  # what async would stage, for the comparison
+    assert held >= plan.checkpoint_bytes / plan.world_size  # each rank's share, copies and all
+    assert plan.checkpoint_stage_s == pytest.approx(held / (450e9 * 0.7))  # NVLink-C2C
+    assert plan_json(plan)["checkpoint"]["staging_bytes_per_rank"] == held
+    cpu = _debug_plan(['checkpoint.mode="async"'], hardware="cpu", ranks=2)
+    assert "checkpoint_staging" not in cpu.host_terms  # a CPU rank's host is its RAM
+    assert cpu.device_terms["checkpoint_staging"] > 0
+
+
+def test_async_staging_over_the_host_memory_is_refused_in_one_line():
+    state = ["offload.optimizer_state=true"]
+    sync = _debug_plan(state, ["offload"])
+    stage = sync.checkpoint_stage_bytes
+    room = (sync.host_total + stage / 2) / 2**30  # room for the offload, not for staging too
+    assert _debug_plan(state, ["offload"], host_memory_gib=room).fits
+    plan = _debug_plan([*state, 'checkpoint.mode="async"'], ["offload"], host_memory_gib=room)
+    assert plan.fits_device and not plan.fits_host and not plan.fits
+    moved, optimizer = plan.host_terms["activations"], plan.host_terms["optimizer_state"]
+    assert plan.refusal() == (
+        f"debug: 8 rank(s) on gh200-jupiter: each rank needs {human(moved + optimizer + stage)} "
+        f"of host memory, {human(moved + optimizer)} offload (activations {human(moved)}, "
+        f"optimizer_state {human(optimizer)}) + "
+        f'{human(stage)} checkpoint staging (checkpoint.mode = "async"), and has '
+        f'{human(int(room * 2**30))}: expected checkpoint.mode = "sync", more ranks, a larger '
+        "budget, or less offloaded"
+    )
+    assert "does not fit: " + plan.refusal() in plan_table(plan)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("every", [0, 1, 10**6])
+def test_the_time_each_save_loses_in_each_mode(mode, every):
+    sets = [f'checkpoint.mode="{mode}"', f"checkpoint.every={every}"]
+    plan = _debug_plan(sets, filesystem_gbps=2.0)
+    write, stage = plan.checkpoint_write_s, plan.checkpoint_stage_s
+    assert write == pytest.approx(plan.checkpoint_bytes / 2 / 2e9)  # 2 nodes of 4
+    between = every * plan.step.step_s
+    exposed = write if every == 0 else max(0.0, write - between)  # 0: the final save's write
+    assert plan.checkpoint_lost_s == pytest.approx({"sync": write, "async": stage + exposed})
+    if every == 10**6:
+        assert plan.checkpoint_lost_s["async"] == pytest.approx(stage)  # the write is hidden
+    report = plan_json(plan)["checkpoint"]
+    assert (report["mode"], report["lost_s"]) == (mode, plan.checkpoint_lost_s)
+    assert f"{mode} (configured)" in plan_table(plan)
+    unknown = _debug_plan(sets)
+    assert unknown.checkpoint_lost_s == {"sync": None, "async": None}
+    assert "unknown" in plan_table(unknown)
+
+
+def test_the_write_cap_of_each_rank_slows_a_faster_file_system():
+    plan = _debug_plan(["checkpoint.max_write_mbps=100"], filesystem_gbps=2.0)
+    assert plan.checkpoint_write_s == pytest.approx(plan.checkpoint_bytes / 2 / (4 * 100e6))
+
+
+@given(
+    write=st.floats(0, 1e4),
+    staging=st.floats(0, 1e3),
+    every=st.integers(0, 10**4),
+    step=st.floats(1e-3, 1e3),
+)
+def test_an_async_save_never_loses_more_than_a_sync_one_and_its_staging(write, staging, every,
+                                                                          step):  # fmt: skip
+    lost = lost_per_save(write, staging, every, step)
+    assert staging <= lost["async"] <= lost["sync"] + staging
+    assert lost_per_save(None, staging, every, step) == {"sync": None, "async": None}

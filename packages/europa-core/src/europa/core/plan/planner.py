@@ -19,6 +19,7 @@ from europa.core.errors import PluginError, ResourceError
 from europa.core.job import Job
 from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
+from europa.core.plan.checkpoint import lost_per_save, write_seconds
 from europa.core.plan.hardware import HardwareProfile
 from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
@@ -41,6 +42,7 @@ from europa.spec.layout import Layout
 from europa.spec.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode
+STAGING = "checkpoint_staging"  # the memory term of an async save's host buffers
 _CORE_KEYS = {
     "world_size",
     "parameter_shapes",
@@ -73,9 +75,13 @@ class Plan:
     model_flops_per_token: int
     activations_by_mode: dict[str, int] = field(default_factory=dict)  # device bytes
     checkpoint_bytes: int = 0  # every parameter and optimizer tensor once
-    # its write at the profile's file-system bandwidth, each node writing its ranks' even
-    # share (None: the profile does not say the bandwidth)
+    # its write at the profile's file-system bandwidth (or checkpoint.max_write_mbps, where
+    # lower), each node writing its ranks' even share (None: the profile does not say it)
     checkpoint_write_s: float | None = None
+    # What an async save copies into host memory on the most loaded rank, whatever the
+    # mode (its parameters and optimizer state as it holds them), and that copy's time.
+    checkpoint_stage_bytes: int = 0
+    checkpoint_stage_s: float = 0.0
     host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
 
@@ -100,6 +106,22 @@ class Plan:
         return self.fits_device and self.fits_host
 
     @property
+    def step(self) -> StepTime:
+        """The step as planned: with overlap where europa-overlap is enabled."""
+        return self.with_overlap if self.overlap_enabled else self.without_overlap
+
+    @property
+    def checkpoint_staging_bytes(self) -> int:
+        """The staging buffers the configured mode holds (none for "sync")."""
+        return self.checkpoint_stage_bytes if self.config.checkpoint.mode == "async" else 0
+
+    @property
+    def checkpoint_lost_s(self) -> dict[str, float | None]:
+        """Training seconds one save costs, by ``checkpoint.mode`` (a prediction)."""
+        return lost_per_save(self.checkpoint_write_s, self.checkpoint_stage_s,
+                             self.config.checkpoint.every, self.step.step_s)  # fmt: skip
+
+    @property
     def tokens_per_step(self) -> int:
         t = self.config.training
         return t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
@@ -118,21 +140,36 @@ class Plan:
         where = f"{self.config.run.name}: {self.world_size} rank(s) on {self.hardware.name}"
         if not self.fits_device:
             terms = ", ".join(f"{k} {human(v)}" for k, v in self.device_terms.items() if v)
+            sync = 'checkpoint.mode = "sync", ' if self.device_terms.get(STAGING) else ""
             return (
                 f"{where}: the most loaded rank needs {human(self.device_total)} of "
                 f"{self.hardware.device} memory ({terms}) and has {human(self.device_capacity)}: "
-                "expected more ranks, a smaller micro-batch or sequence, "
+                f"expected {sync}more ranks, a smaller micro-batch or sequence, "
                 'activation_checkpointing.mode = "full", or -p offload'
             )
         if not self.fits_host:
-            terms = ", ".join(f"{k} {human(v)}" for k, v in self.host_terms.items() if v)
-            source = f" ({self.host_budget_setting})" if self.host_budget_setting else ""
+            return self._host_refusal(where)
+        return None
+
+    def _host_refusal(self, where: str) -> str:
+        source = f" ({self.host_budget_setting})" if self.host_budget_setting else ""
+        staging = self.host_terms.get(STAGING, 0)
+        offloaded = {k: v for k, v in self.host_terms.items() if k != STAGING and v}
+        terms = ", ".join(f"{k} {human(v)}" for k, v in offloaded.items())
+        if not staging:
             return (
                 f"{where}: each rank moves {human(self.host_total)} to host memory ({terms}) "
                 f"and has {human(self.host_capacity)}{source}: expected a larger budget, more "
                 "ranks, or less offloaded"
             )
-        return None
+        offload = f"{human(sum(offloaded.values()))} offload ({terms}) + " if offloaded else ""
+        less = "a larger budget, or less offloaded" if offloaded else "or a larger budget"
+        return (
+            f"{where}: each rank needs {human(self.host_total)} of host memory, {offload}"
+            f'{human(staging)} checkpoint staging (checkpoint.mode = "async"), and has '
+            f'{human(self.host_capacity)}{source}: expected checkpoint.mode = "sync", more '
+            f"ranks, {less}"
+        )
 
     def check(self) -> None:
         message = self.refusal()
@@ -214,6 +251,10 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     rank = state.most_loaded()
     optimizer_state = state.optimizer_state[rank]
     optimizer_on_host = optimizer_state if offload.optimizer_state else 0
+    stage = state.parameters[rank] + optimizer_state  # an async save's copy, fp32 as held
+    staging = {STAGING: stage if config.checkpoint.mode == "async" else 0}
+    # A CPU rank's "host" buffers are the RAM its device memory already names.
+    device_staging, host_staging = (staging, {}) if hardware.device == "cpu" else ({}, staging)
     expert_buffers = 0
     if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
         expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
@@ -225,9 +266,10 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         else optimizer_state,
         "activations": acts.device,
         **transient_buffers(layout, compute_bytes, reduce_bytes, expert_buffers),
+        **device_staging,
         "reserved": hardware.reserved_bytes,
     }
-    host_terms = {"activations": acts.host, "optimizer_state": optimizer_on_host}
+    host_terms = {"activations": acts.host, "optimizer_state": optimizer_on_host, **host_staging}
     ranks_per_node = min(world_size, hardware.gpus_per_node)
     host_capacity = (
         offload.budget_bytes_per_rank
@@ -246,6 +288,8 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         host_optimizer_bytes=optimizer_on_host,
     )
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
+    write_s = write_seconds(checkpoint, world_size // per_node, per_node,
+                            hardware.filesystem_gbps, config.checkpoint.max_write_mbps)  # fmt: skip
     per_token = model_flops_per_token(shapes, model_cfg, training.seq_len)
     tokens_per_rank = tokens * training.grad_accum_steps
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
@@ -288,9 +332,9 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},
         checkpoint_bytes=checkpoint,
-        checkpoint_write_s=None
-        if hardware.filesystem_gbps is None
-        else checkpoint / (world_size // per_node) / (hardware.filesystem_gbps * 1e9),
+        checkpoint_write_s=write_s,
+        checkpoint_stage_bytes=stage,
+        checkpoint_stage_s=stage / hardware.bandwidth("host_device"),
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

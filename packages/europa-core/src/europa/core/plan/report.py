@@ -76,6 +76,14 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "bytes": plan.checkpoint_bytes,
             "bytes_per_rank": plan.checkpoint_bytes / plan.world_size,
             "write_s": plan.checkpoint_write_s,
+            "mode": plan.config.checkpoint.mode,
+            "every": plan.config.checkpoint.every,
+            "staging_bytes_per_rank": plan.checkpoint_staging_bytes,
+            "async_staging": {
+                "bytes_per_rank": plan.checkpoint_stage_bytes,
+                "seconds": plan.checkpoint_stage_s,
+            },
+            "lost_s": plan.checkpoint_lost_s,
         },
         "fits": plan.fits,
         "refusal": plan.refusal(),
@@ -102,6 +110,9 @@ def plan_table(plan: Plan) -> str:
     host = plan.host_terms
     for term, value in plan.device_terms.items():
         lines.append(_row(term, human(value), human(host[term]) if term in host else ""))
+    for term, value in host.items():
+        if term not in plan.device_terms:
+            lines.append(_row(term, "", human(value)))
     lines += [
         _row("total", human(plan.device_total), human(plan.host_total)),
         _row("capacity", human(plan.device_capacity), human(plan.host_capacity)),
@@ -135,11 +146,40 @@ def plan_table(plan: Plan) -> str:
         f"{human(plan.checkpoint_bytes / plan.world_size)} a rank); "
         + (f"written in {write:.3g} s" if write is not None else
            "its write time needs the profile's filesystem_gbps"),
+        *_checkpoint_lost(plan),
         "",
     ]  # fmt: skip
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
     return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "unknown" if value is None else f"{value:.3g} s"
+
+
+def _checkpoint_lost(plan: Plan) -> list[str]:
+    """Both modes' cost per save, the configured one marked, so they can be compared."""
+    every, write = plan.config.checkpoint.every, plan.checkpoint_write_s
+    lost = plan.checkpoint_lost_s
+    unknown = " (needs the profile's filesystem_gbps)" if write is None else ""
+    if every:
+        between = every * plan.step.step_s
+        when = f"checkpoint.every = {every}: {between:.3g} s of training between saves"
+        excess = None if write is None else max(0.0, write - between)
+        rest = f"{_seconds(excess)} of the write beyond those {between:.3g} s"
+    else:
+        when = "checkpoint.every = 0: only the final save, whose whole write training waits for"
+        rest = f"the whole write, {_seconds(write)}"
+    staging = (f"{plan.checkpoint_stage_s:.3g} s staging {human(plan.checkpoint_stage_bytes)} "
+               "a rank into host memory")  # fmt: skip
+    label = {m: m + (" (configured)" if m == plan.config.checkpoint.mode else "") for m in lost}
+    return [
+        f"  training time lost per save, predicted ({when}):",
+        f"    {label['sync']:<19}{_seconds(lost['sync']):>10}: training waits for the write"
+        + unknown,
+        f"    {label['async']:<19}{_seconds(lost['async']):>10}: {staging} + {rest}{unknown}",
+    ]
 
 
 def _count(n: int) -> str:

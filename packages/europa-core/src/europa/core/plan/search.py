@@ -46,8 +46,7 @@ class Proposal:
 
     @property
     def step(self):
-        p = self.plan
-        return p.with_overlap if p.overlap_enabled else p.without_overlap
+        return self.plan.step
 
     def overrides(self) -> list[str]:
         return [f"{key}={toml_value(value)}" for key, value in self.sets]
