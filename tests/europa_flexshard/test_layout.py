@@ -233,3 +233,44 @@ def test_once_a_step_sums_in_the_last_backward_equal_the_sums_after_it(spawned):
         assert set(inside["all_reduces"]) == {"last backward"}
         assert len(inside["all_reduces"]) > len(after["all_reduces"])  # one per unit, expert
         assert inside["refused"].startswith("sum_copies_in_backward = 2: a backward beyond it")
+
+
+def _one_process_step(monkeypatch, alone: bool) -> tuple[torch.Tensor, dict, list]:
+    from europa.flexshard import gather
+
+    monkeypatch.setattr(gather.GatherUnit, "alone", property(lambda self: alone))
+    gathers, shadows = [], []
+    apply, shadow = gather._GatherFunction.apply, gather.GatherUnit._shadow
+
+    def counted(*args):
+        gathers.append(args[0])
+        return apply(*args)
+
+    def recorded(self, fulls):
+        shadows.extend(zip(self.slots, fulls, strict=True))
+        return shadow(self, fulls)
+
+    monkeypatch.setattr(gather._GatherFunction, "apply", counted)
+    monkeypatch.setattr(gather.GatherUnit, "_shadow", recorded)
+    model, layout, _ = _laid_out_model()
+    loss = _loss(model, _tokens())
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in layout.named_local_parameters()}
+    return loss.detach(), grads, [gathers, shadows]
+
+
+def test_one_process_alone_shadows_its_own_storage_and_gathers_nothing(monkeypatch):
+    """One rank holding everything: the shadows are views of the local parameters (no
+    copy, no gather, no backward hook), with the gathered path's loss and gradients."""
+    gathered_loss, gathered_grads, (gathers, _) = _one_process_step(monkeypatch, alone=False)
+    assert gathers  # the gathered path: an autograd gather per unit
+    loss, grads, (gathers, shadows) = _one_process_step(monkeypatch, alone=True)
+    assert not gathers
+    assert shadows and all(
+        full.untyped_storage().data_ptr() == slot.local.untyped_storage().data_ptr()
+        for slot, full in shadows
+    )
+    assert torch.equal(loss, gathered_loss)
+    assert grads.keys() == gathered_grads.keys()
+    for name, grad in grads.items():
+        assert torch.equal(grad, gathered_grads[name]), name

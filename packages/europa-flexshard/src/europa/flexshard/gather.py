@@ -24,6 +24,11 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   the sum travels beside the rest of that backward; else after it
   (``reduce_replicas``).
 
+One rank alone (a group of one and no replicas): there is nothing to gather or reduce,
+so the shadows are views of the local storage itself (cast to the compute dtype where it
+differs), autograd puts the gradients straight into ``.grad``, and no hook runs in
+backward: the unit costs what the plain module costs.
+
 Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
 names units whose all-gather this unit issues asynchronously right after its
 own, in forward (the next blocks) and in backward (the previous ones, if they
@@ -296,7 +301,25 @@ class GatherUnit:
 
     # -- hooks ------------------------------------------------------------------------------
 
+    @property
+    def alone(self) -> bool:
+        """This rank holds the whole unit and no other rank holds a copy."""
+        return self.groups.size == 1 and self.groups.replicas == 1
+
+    def _whole_views(self) -> list[torch.Tensor]:
+        dtype = self._compute_dtype()
+        return [
+            slot.local.to(dtype).view(spec.shape)
+            for slot, spec in zip(self.slots, self.segments.specs, strict=True)
+        ]
+
     def _pre_forward(self, module: nn.Module, args) -> None:
+        if self.alone:
+            views = self._whole_views()
+            for view in views:
+                mark_gathered(view)
+            self._shadow(views)
+            return
         locals_ = [slot.local for slot in self.slots]
         if torch.is_grad_enabled() and any(p.requires_grad for p in locals_):
             self.fulls = list(_GatherFunction.apply(self, *locals_))
@@ -311,6 +334,8 @@ class GatherUnit:
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         self._unshadow()
+        if self.alone:
+            return
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if not needs_grad or not any(f.requires_grad for f in self.fulls):
             self.fulls = None
