@@ -9,7 +9,13 @@ on a GPU ``save_on_cpu`` leaves none, on a CPU it moves nothing: its
 ``tensor.cpu()`` is the tensor itself), and on CUDA ``torch.cuda.max_memory_allocated``
 over a step; then the ratios against no offload and against ``save_on_cpu``.
 
+On CUDA, ``--trace DIR`` also profiles one more europa-offload step and reports from its
+Chrome trace (written to DIR) the share of host <-> device copy time that ran beside
+kernels (``_gpu_trace``), and the goals (peak memory at most 0.6 of no offload's, within
+1.15 of its step time) as booleans.
+
     python benchmarks/offload.py [--json] [--preset debug] [--seq-len 1024] [--steps 4]
+                                 [--trace DIR]
 """
 
 from __future__ import annotations
@@ -68,6 +74,21 @@ def _step(model: nn.Module, tokens: torch.Tensor, context) -> float:
     return time.perf_counter() - started
 
 
+def _traced_overlap(model, tokens, offload, folder: Path) -> dict:
+    """One offloaded step under torch.profiler; the copies' overlap with kernels."""
+    from _gpu_trace import overlap_of_trace
+    from torch.profiler import ProfilerActivity, profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    trace = folder / "offload_step_trace.json"
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _step(model, tokens, contextlib.nullcontext)
+    offload.release()
+    offload.take_stats()
+    prof.export_chrome_trace(str(trace))
+    return {"trace": str(trace), **overlap_of_trace(trace)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print only the JSON result")
@@ -76,6 +97,7 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=4, help="timed steps after one warm-up")
     parser.add_argument("--min-tensor-kib", type=int, default=256)
+    parser.add_argument("--trace", type=Path, help="CUDA: profile one offloaded step here")
     args = parser.parse_args()
 
     from europa.offload import OffloadPolicy, offload_activations
@@ -145,6 +167,16 @@ def main() -> None:
     if cuda:
         comparisons["cuda_peak_europa_over_none"] = peaks["europa"] / peaks["none"]
         comparisons["cuda_peak_save_on_cpu_over_none"] = peaks["save_on_cpu"] / peaks["none"]
+        comparisons["goal_peak_at_most_0.6_of_none"] = peaks["europa"] / peaks["none"] <= 0.6
+        comparisons["goal_step_within_1.15_of_none"] = median["europa"] / median["none"] <= 1.15
+    if args.trace is None:
+        comparisons["copy_compute_overlap"] = {"skipped": "no --trace DIR"}
+    elif not cuda:
+        comparisons["copy_compute_overlap"] = {"skipped": "no CUDA device: nothing is copied"}
+    else:
+        comparisons["copy_compute_overlap"] = _traced_overlap(
+            models["europa"], tokens, offload, args.trace
+        )
     print_result("offload", args, configs, comparisons, device=device.type)
 
 

@@ -37,3 +37,21 @@ def test_lengths_add_up(a, b):
     ua, ub = union(a), union(b)
     assert length(union(a + b)) == length(ua) + length(ub) - length(intersect(ua, ub))
     assert length(difference(ua, ub)) == length(ua) - length(intersect(ua, ub))
+
+
+def test_copy_compute_overlap_counts_host_device_copies_beside_kernels():
+    from _gpu_trace import copy_compute_overlap
+
+    events = [
+        {"cat": "kernel", "name": "gemm", "ts": 0, "dur": 10},
+        {"cat": "kernel", "name": "gemm", "ts": 20, "dur": 10},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 5, "dur": 10},
+        {"cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 28, "dur": 4},
+        {"cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 40, "dur": 50},
+        {"cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 100},
+    ]
+    found = copy_compute_overlap(events)
+    assert found["copies"] == 2  # device-to-device copies are not offload's
+    assert found["copy_us"] == 14 and found["copy_beside_kernels_us"] == 5 + 2
+    assert found["overlapped_fraction"] == 7 / 14
+    assert copy_compute_overlap(events[:2])["overlapped_fraction"] is None
