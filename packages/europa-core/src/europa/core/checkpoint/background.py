@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
 from europa.core.checkpoint.store import write_checkpoint
+from europa.core.launch.faults import is_lost_contact
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,13 @@ class BackgroundSaves:
     """Every rank makes one (its gloo group is created collectively) before the first
     save, and calls ``save`` for the same steps."""
 
-    def __init__(self, device: torch.device, *, max_bytes_per_s: float = 0) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        max_bytes_per_s: float = 0,
+        on_lost_contact: Callable[[], None] = lambda: None,
+    ) -> None:
         cuda = device.type == "cuda"
         self.stager = DefaultStager(
             StagingOptions(
@@ -73,6 +81,9 @@ class BackgroundSaves:
         )
         self.group = dist.new_group(backend="gloo") if _distributed() else None
         self.max_bytes_per_s = max_bytes_per_s
+        # A rank that dies mid-write fails the writer's collectives first: say so at once
+        # (the launcher names the rank that died, not the ranks that lost it).
+        self.on_lost_contact = on_lost_contact
         self.staged: dict[str, Any] | None = None  # the last save's host copy (reused)
         self.staging_bytes = 0
         self._writer: threading.Thread | None = None
@@ -116,6 +127,8 @@ class BackgroundSaves:
                 max_bytes_per_s=self.max_bytes_per_s,
             )
         except BaseException as err:  # raised where training next waits for it
+            if is_lost_contact(err):
+                self.on_lost_contact()
             self._failure = err
 
     @property

@@ -13,7 +13,7 @@ import signal
 from pathlib import Path
 
 from europa.core.checkpoint.store import latest_checkpoint
-from europa.core.launch.progress import read_progress
+from europa.core.launch.progress import LOST_CONTACT, read_progress
 
 WORKER_MODULE = "europa.core.launch.worker"
 
@@ -49,7 +49,7 @@ def describe_failure(run_dir: Path, exit_codes: dict[int, int]) -> tuple[str, in
     """One line naming the rank that died first and the step, and its exit code (> 0)."""
     records = read_progress(run_dir)
     culprits = [
-        rank for rank in sorted(exit_codes) if records.get(rank, {}).get("phase") != "lost-contact"
+        rank for rank in sorted(exit_codes) if records.get(rank, {}).get("phase") != LOST_CONTACT
     ]
     rank = culprits[0] if culprits else min(exit_codes)
     code = exit_codes[rank]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from europa.core.errors import LostContact, is_user_error
-from europa.core.launch.progress import RankProgress
+from europa.core.launch.progress import LOST_CONTACT, RankProgress
 
 # gloo raises a plain RuntimeError whose message points into its transport code
 # ("Connection reset by peer", "Timed out waiting 600000ms for recv ..."); NCCL and the
@@ -62,7 +62,7 @@ def reporting_faults(run_dir: Path, rank: int) -> Iterator[RankProgress]:
             if not is_user_error(err):
                 progress.mark("failed")
             raise
-        progress.mark("lost-contact")
+        progress.mark(LOST_CONTACT)
         raise LostContact(
             f"rank {rank} lost contact with the other ranks at step {progress.step} "
             f"({_gist(root_exception(err))}): another rank died or hung, see its "

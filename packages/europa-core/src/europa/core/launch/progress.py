@@ -5,17 +5,22 @@ after the rank died; the launcher reads it to say which rank died at which step.
 
 Phases: ``starting``, ``step`` (computing ``step``), ``saving`` (writing the checkpoint
 of ``step``), ``lost-contact`` (a collective failed here: another rank died or hung),
-``failed`` (an exception on this rank), ``finished``.
+``failed`` (an exception on this rank), ``finished``. ``lost-contact`` is final: the
+writer thread of a background checkpoint may be first to see another rank die, and the
+training thread's next mark must not hide it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 from europa.core.run_dir import PROGRESS, progress_file, write_replacing
+
+LOST_CONTACT = "lost-contact"
 
 
 class RankProgress:
@@ -24,14 +29,18 @@ class RankProgress:
         self.rank = rank
         self.step = 0
         self.phase = "starting"
+        self._lock = threading.Lock()  # the training thread and a checkpoint writer mark
 
     def mark(self, phase: str, step: int | None = None) -> None:
         """Record ``phase`` (at ``step``, or the step last recorded); an atomic replace."""
-        self.phase = phase
-        self.step = self.step if step is None else step
-        record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": phase}
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        write_replacing(self.path, json.dumps(record) + "\n")
+        with self._lock:
+            if self.phase == LOST_CONTACT:
+                return
+            self.phase = phase
+            self.step = self.step if step is None else step
+            record = {"rank": self.rank, "pid": os.getpid(), "step": self.step, "phase": phase}
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            write_replacing(self.path, json.dumps(record) + "\n")
 
 
 def read_progress(run_dir: Path) -> dict[int, dict[str, Any]]:

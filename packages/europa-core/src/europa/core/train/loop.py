@@ -35,7 +35,7 @@ from europa.core.launch.distributed import (
     shutdown,
 )
 from europa.core.launch.faults import reporting_faults
-from europa.core.launch.progress import RankProgress
+from europa.core.launch.progress import LOST_CONTACT, RankProgress
 from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser, init_buffers
 from europa.core.plugins.manager import EuropaPluginManager
@@ -109,7 +109,11 @@ class Trainer:
         built = hook.europa_build_optimizer(job=job, model=model)
         self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=built)
         self.background = (
-            BackgroundSaves(job.device, max_bytes_per_s=cfg.checkpoint.max_write_mbps * 1e6)
+            BackgroundSaves(
+                job.device,
+                max_bytes_per_s=cfg.checkpoint.max_write_mbps * 1e6,
+                on_lost_contact=lambda: self.progress.mark(LOST_CONTACT),
+            )
             if cfg.checkpoint.mode == "async"
             else None
         )
