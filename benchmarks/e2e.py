@@ -62,6 +62,10 @@ LAYOUTS = (
      "overrides": [*OVERLAP], "min_world": 2},
     {"name": "flexshard-ep2+overlap", "plugins": ["flexshard", "overlap"],
      "overrides": ["flexshard.log_plan=false", "parallel.ep=2", *OVERLAP], "min_world": 2},
+    # the non-expert matrices whole on each rank (DDP-like), the experts split over ep
+    {"name": "flexshard-ep2-dense-rank+overlap", "plugins": ["flexshard", "overlap"],
+     "overrides": ["flexshard.log_plan=false", "parallel.ep=2", 'flexshard.dense_group="rank"',
+                   *OVERLAP], "min_world": 2},
 )  # fmt: skip
 # torchtitan as shipped (routed experts cast to bf16) and with fp32 experts, each under
 # FSDP2 and, at 2 ranks, under its best replicated layout too (HSDP over 2 replicas of one

@@ -215,6 +215,7 @@ FP8 = 'parallel.ep_dispatch_dtype="float8_e4m3fn"'
 CHECKPOINTING = 'activation_checkpointing.mode="full"'
 KEPT = "parallel.ep_keep_exchanges=true"
 DENSE_NODE = 'flexshard.dense_group="node"'
+DENSE_RANK = 'flexshard.dense_group="rank"'
 ACCUMULATE = "training.grad_accum_steps=2"
 ONE_NODE = "parallel.ep_max_nodes_per_token=1"
 COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
@@ -239,6 +240,10 @@ RUNS = [
         "ep4-all-resumed-node", [*TWO_NODES, DENSE_NODE], ["flexshard"], resume_from="ep4-two-level"
     ),
     Run("ep4-node-resumed-all", TWO_NODES, ["flexshard"], resume_from="ep4-dense-node"),
+    # The non-expert matrices whole on every rank (DDP-like): nothing gathered, their
+    # gradients averaged over all ranks once a step (in the last backward when accumulating).
+    Run("ep2-dense-rank", [*COMMON, "parallel.ep=2", DENSE_RANK], ["flexshard"]),
+    Run("ep4-accumulated-dense-rank", [*TWO_NODES, ACCUMULATE, DENSE_RANK], ["flexshard"]),
     # Accumulated micro-batches: the copies sum their gradients once, after the last one.
     Run("ep4-accumulated", [*TWO_NODES, ACCUMULATE], ["flexshard"]),
     Run("ep4-accumulated-dense-node", [*TWO_NODES, ACCUMULATE, DENSE_NODE], ["flexshard"]),
@@ -363,7 +368,9 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ran
     # the two-level exchange across 2 nodes trains as the flat one
     assert losses["ep4-two-level"] == pytest.approx(losses["ep4"], rel=1e-6)
     for node, whole in (("ep4-dense-node", "ep4-two-level"),
-                        ("ep4-accumulated-dense-node", "ep4-accumulated")):  # fmt: skip
+                        ("ep4-accumulated-dense-node", "ep4-accumulated"),
+                        ("ep2-dense-rank", "ep2"),
+                        ("ep4-accumulated-dense-rank", "ep4-accumulated")):  # fmt: skip
         assert losses[node] == pytest.approx(losses[whole], rel=1e-6), node
     assert losses["ep4-all-resumed-node"] == pytest.approx(losses["ep4-two-level"], rel=1e-6)
     assert losses["ep4-node-resumed-all"] == pytest.approx(losses["ep4-dense-node"], rel=1e-6)
@@ -396,7 +403,7 @@ def test_an_expert_split_the_ranks_cannot_hold_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["ep2-replicas-bf16", "ep4-dense-node"])
+@pytest.mark.parametrize("name", ["ep2-replicas-bf16", "ep4-dense-node", "ep2-dense-rank"])
 def test_a_flexshard_checkpoint_holds_each_byte_once_as_the_plan_says(four_ranks, name):
     """Replicas (dp_replicate) and the experts' copies on the other node write one copy:
     the bytes on disk are the unique state bytes europa plan reports."""

@@ -238,7 +238,7 @@ def test_once_a_step_sums_in_the_last_backward_equal_the_sums_after_it(spawned):
 def _one_process_step(monkeypatch, alone: bool) -> tuple[torch.Tensor, dict, list]:
     from europa.flexshard import gather
 
-    monkeypatch.setattr(gather.GatherUnit, "alone", property(lambda self: alone))
+    monkeypatch.setattr(gather.GatherUnit, "whole_here", property(lambda self: alone))
     gathers, shadows = [], []
     apply, shadow = gather._GatherFunction.apply, gather.GatherUnit._shadow
 

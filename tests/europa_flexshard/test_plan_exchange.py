@@ -95,6 +95,21 @@ def test_dense_matrices_within_a_node_gather_on_its_link_and_reduce_once_a_step(
     assert node.layout["group_size"] == 2
 
 
+def test_dense_matrices_whole_on_every_rank_gather_nothing_and_reduce_once_a_step():
+    common = ["parallel.ep=2", "training.grad_accum_steps=4"]
+    whole = _plan("debug", [*common, 'flexshard.dense_group="rank"'], ["flexshard"], "cpu", 2)
+    shared = _plan("debug", common, ["flexshard"], "cpu", 2)
+    sent = {t.kind: t.bytes_per_step for t in whole.traffic}
+    assert sent.get("parameter_gather", 0) == sent.get("gradient_reduce_scatter", 0) == 0
+    assert {"parameter_gather", "gradient_reduce_scatter"} <= {t.kind for t in shared.traffic}
+    assert whole.layout["group_size"] == 1 and whole.layout["gathered_unit_elements"] == {}
+    dense = whole.layout["replicated_elements"]  # every non-expert element, on each rank
+    assert sent["gradient_replica_all_reduce"] == 2 * dense * 4 * (1 / 2)  # once a step
+    assert whole.device_terms["gathered_parameters"] == 0
+    assert shared.device_terms["gathered_parameters"] > 0
+    assert max(whole.layout["stored_elements"]) > max(shared.layout["stored_elements"])
+
+
 def test_once_a_step_sums_overlap_only_the_last_backward_and_the_roots_follows_it():
     """The copies' sums start in the last micro-batch's backward: with one micro-batch
     they run beside its whole backward, with more beside a shorter one; the root's sum

@@ -24,10 +24,15 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   the sum travels beside the rest of that backward; else after it
   (``reduce_replicas``).
 
-One rank alone (a group of one and no replicas): there is nothing to gather or reduce,
-so the shadows are views of the local storage itself (cast to the compute dtype where it
-differs), autograd puts the gradients straight into ``.grad``, and no hook runs in
-backward: the unit costs what the plain module costs.
+A group of one (this rank owns every matrix of the unit) computing in its storage's
+dtype: there is nothing to gather or scatter, so the shadows are views of the local
+storage itself, autograd puts the gradients straight into ``.grad``, and no hook runs in
+backward (a unit computing in another dtype is gathered as usual, so its cast copy is
+freed after forward and made again for backward): alone, the unit costs what the plain
+module costs. With replicas (every rank holding the whole unit, as DDP does) the local
+gradients are averaged over them once a step: in the last backward as soon as every one
+of the unit's gradients has accumulated (a post-accumulate-grad hook per parameter), else
+in ``reduce_replicas``.
 
 Overlap (off by default; europa-overlap switches it on): ``set_prefetch``
 names units whose all-gather this unit issues asynchronously right after its
@@ -153,14 +158,17 @@ class GatherUnit:
         self.sum_replicas_in_backward = 0
         self._backwards = 0
         self._replica_sum: AsyncSum | None = None
+        self._accumulated: dict[int, int] = {}  # whole here: backwards since the sum, by param
         self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
         ]
+        self._grad_handles: list = []
+        self.hook_gradients()
 
     def remove_hooks(self) -> None:
-        for handle in self._handles:
+        for handle in [*self._handles, *self._grad_handles]:
             handle.remove()
 
     # -- collectives ----------------------------------------------------------------------
@@ -249,13 +257,18 @@ class GatherUnit:
         gradients), if a backward left them unsummed, or wait for the sum the last backward
         issued; every replica calls it together."""
         self._backwards = 0
+        self._accumulated = {}
         if self._replica_sum is not None:
             self._replica_sum.finish()
             self._replica_sum = None
         if not self._replicas_pending:
             return
         self._replicas_pending = False
-        grads = [slot.local.grad for slot in self.slots if slot.local.grad is not None]
+        locals_ = [slot.local for slot in self.slots]
+        if self.whole_here:  # autograd's own gradients: not yet divided
+            grads = self._averaged(locals_)
+        else:
+            grads = [p.grad for p in locals_ if p.grad is not None]
         if grads:
             sum_over(grads, self.groups.replicate, self.reduce_dtype)
 
@@ -302,19 +315,64 @@ class GatherUnit:
     # -- hooks ------------------------------------------------------------------------------
 
     @property
+    def whole_here(self) -> bool:
+        """This rank owns every matrix of the unit (other ranks may hold copies) and
+        computes with them as they are stored: the module can use them in place."""
+        cast = self.param_dtype is not None and self.param_dtype != self.slots[0].local.dtype
+        return self.groups.size == 1 and not cast
+
+    @property
     def alone(self) -> bool:
         """This rank holds the whole unit and no other rank holds a copy."""
-        return self.groups.size == 1 and self.groups.replicas == 1
+        return self.whole_here and self.groups.replicas == 1
+
+    def hook_gradients(self) -> None:
+        """With replicas of a whole unit, each local parameter tells the unit when its
+        gradient has accumulated (``_after_accumulate``); call it again whenever the local
+        parameters are replaced (``FlexShardLayout.materialise``)."""
+        for handle in self._grad_handles:
+            handle.remove()
+        self._grad_handles = []
+        if not self.whole_here or self.groups.replicas == 1:
+            return
+        self._grad_handles = [
+            slot.local.register_post_accumulate_grad_hook(self._after_accumulate)
+            for slot in self.slots
+            if slot.local.requires_grad and not slot.local.is_meta
+        ]
+
+    def _after_accumulate(self, param: torch.Tensor) -> None:
+        self._replicas_pending = True
+        if self.sum_replicas_in_backward <= 0:
+            return
+        seen = self._accumulated.get(id(param), 0) + 1
+        if seen > self.sum_replicas_in_backward:
+            raise PlanError(
+                f"sum_copies_in_backward = {self.sum_replicas_in_backward}: a backward beyond "
+                "it before the replicas' sum was finished (finish_gradients)"
+            )
+        self._accumulated[id(param)] = seen
+        wanted = [slot.local for slot in self.slots if slot.local.requires_grad]
+        if all(self._accumulated.get(id(p)) == self.sum_replicas_in_backward for p in wanted):
+            self._replicas_pending = False
+            self._replica_sum = AsyncSum(self._averaged(wanted), self.groups.replicate,
+                                         self.reduce_dtype)  # fmt: skip
+
+    def _averaged(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients of ``params``, divided by the replicas: their sum is the mean."""
+        grads = [p.grad for p in params if p.grad is not None]
+        for grad in grads:
+            grad.div_(self.groups.replicas)
+        return grads
 
     def _whole_views(self) -> list[torch.Tensor]:
-        dtype = self._compute_dtype()
         return [
-            slot.local.to(dtype).view(spec.shape)
+            slot.local.view(spec.shape)
             for slot, spec in zip(self.slots, self.segments.specs, strict=True)
         ]
 
     def _pre_forward(self, module: nn.Module, args) -> None:
-        if self.alone:
+        if self.whole_here:
             views = self._whole_views()
             for view in views:
                 mark_gathered(view)
@@ -334,7 +392,7 @@ class GatherUnit:
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         self._unshadow()
-        if self.alone:
+        if self.whole_here:
             return
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if not needs_grad or not any(f.requires_grad for f in self.fulls):

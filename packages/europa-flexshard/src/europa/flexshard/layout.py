@@ -123,6 +123,8 @@ class FlexShardLayout:
                 init_matrix(name, index, local[j] if spec.stacked else local[0])
             slot.module._parameters[slot.attr] = nn.Parameter(local, old.requires_grad)
         self._hook_expert_gradients()
+        for unit in self.units:
+            unit.hook_gradients()
 
     # -- gradients --------------------------------------------------------------------------
 

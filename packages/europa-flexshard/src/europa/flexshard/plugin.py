@@ -46,10 +46,12 @@ class FlexShardConfig:
     dense_group: str = field(
         default="all",
         metadata={
-            "choices": ("all", "node"),
-            "doc": "ranks that split the non-expert matrices: all of dp_shard × ep, or one "
+            "choices": ("all", "node", "rank"),
+            "doc": "ranks that split the non-expert matrices: all of dp_shard × ep, one "
             "node's (copies on the other nodes, gradients all-reduced across nodes once per "
-            "optimizer step; gathers stay on the node's link)",
+            'optimizer step; gathers stay on the node\'s link), or none: "rank" keeps them '
+            "whole on every rank, as DDP does (nothing gathered; gradients all-reduced once "
+            "per optimizer step)",
         },
     )
     max_rank_gib: float = field(
@@ -142,9 +144,12 @@ def dense_ranks(job) -> tuple[list[list[int]], list[list[int]]]:
 
     blocks = [r.flatten().tolist() for r in job.mesh.mesh]  # [dp_replicate][dp_shard × ep]
     _check_dense_group(job, len(blocks[0]))
-    if job.config.section(NAME).dense_group == "node":
+    dense_group = job.config.section(NAME).dense_group
+    if dense_group == "node":
         per_node = ranks_per_node(job)
         blocks = [node for block in blocks for node in split_into_nodes(block, per_node)]
+    elif dense_group == "rank":
+        blocks = [[rank] for block in blocks for rank in block]
     replicas = [[block[i] for block in blocks] for i in range(len(blocks[0]))]
     return blocks, replicas
 
@@ -252,6 +257,8 @@ def europa_plan(job, plan):
     _check_dense_group(job, shard_ranks)
     if cfg.section(NAME).dense_group == "node":
         shard_ranks = min(shard_ranks, ranks_per_node(job))
+    elif cfg.section(NAME).dense_group == "rank":
+        shard_ranks = 1
     shapes = tuple((name, tuple(shape)) for name, shape in plan["parameter_shapes"].items())
     layout, summary, moe_layers = owned_layout(
         shapes, shard_ranks, ep, cfg.optimizer.name == "muon", plan.get("parameter_itemsize", 4)
@@ -277,6 +284,8 @@ def europa_plan(job, plan):
     } | once_a_step
     bf16 = cfg.training.dtype == "bfloat16"
     layout["reduce_itemsize"] = 2 if bf16 and cfg.section(NAME).reduce_dtype == "bfloat16" else 4
+    if shard_ranks == 1 and not bf16:  # whole on each rank, used in place: nothing gathered
+        layout["gathered_unit_elements"] = layout["gathered_unit_wire_elements"] = {}
     plan["layout"] = layout
     plan[NAME] = summary
 
@@ -338,7 +347,9 @@ def europa_search_levers(config, world_size, ranks_per_node, plan):
     stays as the config has it."""
     per_replica = world_size // config.parallel.dp_replicate
     per_node = min(ranks_per_node or world_size, world_size)
-    dense_groups = ("all", "node") if per_replica > per_node else ("all",)
+    dense_groups = ["all", "rank"] if per_replica > 1 else ["all"]
+    if per_replica > per_node:
+        dense_groups.insert(1, "node")
     payloads = ["compute", "float8_e4m3fn"]
     reductions = ["float32"]
     if config.training.dtype == "bfloat16":
