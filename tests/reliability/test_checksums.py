@@ -155,3 +155,31 @@ def test_a_torch_reader_still_reads_a_checksummed_checkpoint(saved):
     original, _ = _model_and_optimizer()
     for name, value in original.state_dict().items():
         assert torch.equal(state["model"][name], value)
+
+
+@pytest.mark.distributed
+def test_resume_refuses_a_flipped_bit_in_one_line_and_continues_from_older_when_asked(
+    tmp_path, capfd
+):
+    """What a user sees: europa train --resume names the damaged file (exit 2, nothing
+    trained); --resume-from-older continues from the checkpoint before it."""
+    run_dir = tmp_path / "run"
+    quiet = ["--set", "metrics.progress=false"]
+    steps = ["--set", "training.steps=2", "--set", "checkpoint.every=1"]
+    assert run(["train", "--nproc", "1", "--run-dir", str(run_dir), *quiet, *steps]) == 0
+    newest = checkpoint.step_dir(run_dir, 2)
+    shard = sorted(newest.glob("*.distcp"))[0]
+    _flip(shard, 8 * (shard.stat().st_size // 2) + 5)
+    capfd.readouterr()
+    more = ["--nproc", "1", "--set", "training.steps=3"]
+    assert run(["train", "--resume", "--run-dir", str(run_dir), *quiet, *more]) == 2
+    (line,) = [x for x in capfd.readouterr().err.splitlines() if x.startswith("europa: error")]
+    assert line.startswith(
+        f"europa: error: --resume: checkpoint {str(newest)!r} is damaged (its file {shard.name}: "
+    )
+    assert line.endswith("add --resume-from-older to continue from step-00000001, the newest "
+                         "intact one")  # fmt: skip
+    args = ["train", "--resume", "--resume-from-older", "--run-dir", str(run_dir), *quiet, *more]
+    assert run(args) == 0
+    assert "step-00000002 is damaged" in capfd.readouterr().err
+    assert [s for s, _ in checkpoint.complete_checkpoints(run_dir)][-1] == 3
