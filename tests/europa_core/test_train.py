@@ -57,10 +57,9 @@ def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
     assert summary["final_loss"] == records[-1]["loss"]
 
 
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, mode):
-    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4",
-             "--set", f'checkpoint.mode="{mode}"']  # fmt: skip
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+    """From a synchronous save (from a background one: test_background_save_ranks.py)."""
+    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4"]
     whole = tmp_path / "whole"
     _train(whole, *steps)
 

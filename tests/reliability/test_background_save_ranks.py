@@ -1,7 +1,7 @@
 """Background saves on 2 gloo ranks, as a user runs them (``europa train``, a slow file
 system emulated by ``checkpoint.max_write_mbps``): Ctrl-C during a background write
 waits for it before the final save; a rank killed during one leaves the previous
-checkpoint to resume from, and the partial one is removed on resume."""
+checkpoint to resume from, bit-exactly, and the partial one is removed on resume."""
 
 from __future__ import annotations
 
@@ -62,11 +62,19 @@ def test_ctrl_c_and_a_killed_rank_during_background_writes(tmp_path, fault_plugi
     assert "worker rank 1 was killed by SIGKILL" in last_line(err)
     assert complete_checkpoints(run_dir)[-1][0] == newest  # the write in flight never completed
     assert writing.is_dir()
+    # the killed run's losses past the newest checkpoint (up to the save it was killed in)
+    before = {r["step"]: r["loss"] for r in records(run_dir) if r["step"] > newest}
+    assert before
 
-    launcher = start_training(env, "--resume", "--run-dir", str(run_dir),
-                              "--set", f"training.steps={newest + 2}", *ASYNC)  # fmt: skip
+    launcher = start_training(env, "--resume", "--run-dir", str(run_dir), *many, *ASYNC)
+    wait_for(lambda: len(records(run_dir)) > max(before), launcher)  # past the killed run
+    ctrl_c(launcher)
     _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 0, err
-    assert [r["step"] for r in records(run_dir)] == list(range(1, newest + 3))
+    done = len(records(run_dir))
+    assert [r["step"] for r in records(run_dir)] == list(range(1, done + 1))
+    # resumed from a background save, the run goes on bit-exactly as the killed one went
+    again = {r["step"]: r["loss"] for r in records(run_dir)}
+    assert {step: again[step] for step in before} == before
     assert not writing.exists()  # cleared on resume
-    assert complete_checkpoints(run_dir)[-1][0] == newest + 2
+    assert complete_checkpoints(run_dir)[-1][0] == done
