@@ -114,6 +114,22 @@ def sum_over(grads: Sequence[torch.Tensor], group, dtype: torch.dtype | None) ->
     AsyncSum(grads, group, dtype).finish()
 
 
+REPLICAS_SUM = "the replicas' sum"
+
+
+def count_backward(counts: dict[int, int], key: int, limit: int, sum_name: str) -> int:
+    """Count one more backward for ``key`` in ``counts`` since the last once-a-step sum,
+    and return it; one beyond ``limit`` (``sum_copies_in_backward``) is refused."""
+    seen = counts.get(key, 0) + 1
+    if seen > limit:
+        raise PlanError(
+            f"sum_copies_in_backward = {limit}: a backward beyond it before {sum_name} was "
+            "finished (finish_gradients)"
+        )
+    counts[key] = seen
+    return seen
+
+
 @dataclass(frozen=True)
 class Groups:
     """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
@@ -156,9 +172,10 @@ class GatherUnit:
         # > 0: in that backward since the last replica sum (the last micro-batch's), the sum
         # over the replicas is issued as soon as this unit's share lands (``_sum_replicas_now``).
         self.sum_replicas_in_backward = 0
-        self._backwards = 0
+        # backwards since the replicas' sum: of the unit (gathered), or of each parameter
+        # (whole here: each one's gradient accumulates on its own)
+        self._backwards: dict[int, int] = {}
         self._replica_sum: AsyncSum | None = None
-        self._accumulated: dict[int, int] = {}  # whole here: backwards since the sum, by param
         self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -256,8 +273,7 @@ class GatherUnit:
         """Sum the local gradients over the replicas (one all-reduce of the unit's owned
         gradients), if a backward left them unsummed, or wait for the sum the last backward
         issued; every replica calls it together."""
-        self._backwards = 0
-        self._accumulated = {}
+        self._backwards = {}
         if self._replica_sum is not None:
             self._replica_sum.finish()
             self._replica_sum = None
@@ -345,15 +361,9 @@ class GatherUnit:
         self._replicas_pending = True
         if self.sum_replicas_in_backward <= 0:
             return
-        seen = self._accumulated.get(id(param), 0) + 1
-        if seen > self.sum_replicas_in_backward:
-            raise PlanError(
-                f"sum_copies_in_backward = {self.sum_replicas_in_backward}: a backward beyond "
-                "it before the replicas' sum was finished (finish_gradients)"
-            )
-        self._accumulated[id(param)] = seen
+        count_backward(self._backwards, id(param), self.sum_replicas_in_backward, REPLICAS_SUM)
         wanted = [slot.local for slot in self.slots if slot.local.requires_grad]
-        if all(self._accumulated.get(id(p)) == self.sum_replicas_in_backward for p in wanted):
+        if all(self._backwards.get(id(p)) == self.sum_replicas_in_backward for p in wanted):
             self._replicas_pending = False
             self._replica_sum = AsyncSum(self._averaged(wanted), self.groups.replicate,
                                          self.reduce_dtype)  # fmt: skip
@@ -417,13 +427,9 @@ class GatherUnit:
     def _sums_replicas_now(self) -> bool:
         if self.sum_replicas_in_backward <= 0 or self.groups.replicas == 1:
             return False
-        self._backwards += 1
-        if self._backwards > self.sum_replicas_in_backward:
-            raise PlanError(
-                f"sum_copies_in_backward = {self.sum_replicas_in_backward}: a backward beyond "
-                "it before the replicas' sum was finished (finish_gradients)"
-            )
-        return self._backwards == self.sum_replicas_in_backward
+        seen = count_backward(self._backwards, id(self), self.sum_replicas_in_backward,
+                              REPLICAS_SUM)  # fmt: skip
+        return seen == self.sum_replicas_in_backward
 
     def _sum_replicas_now(self, shares: Sequence[torch.Tensor]) -> None:
         """Add this backward's shares to ``.grad`` and issue their sum over the replicas;

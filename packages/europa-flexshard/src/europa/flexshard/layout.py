@@ -29,7 +29,15 @@ from europa.flexshard.experts import (
     expert_stack,
     routed_expert_modules,
 )
-from europa.flexshard.gather import AsyncSum, GatherUnit, Groups, Slot, all_gather, sum_over
+from europa.flexshard.gather import (
+    AsyncSum,
+    GatherUnit,
+    Groups,
+    Slot,
+    all_gather,
+    count_backward,
+    sum_over,
+)
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
@@ -256,13 +264,8 @@ class _Experts:
         parameter's sum over its copies as soon as its gradient is accumulated."""
         if self.sum_in_backward <= 0 or not self._copies_pending:
             return
-        seen = self._backwards.get(id(param), 0) + 1
-        if seen > self.sum_in_backward:
-            raise PlanError(
-                f"sum_copies_in_backward = {self.sum_in_backward}: a backward beyond it "
-                "before the experts' sum over their copies was finished (finish_gradients)"
-            )
-        self._backwards[id(param)] = seen
+        seen = count_backward(self._backwards, id(param), self.sum_in_backward,
+                              "the experts' sum over their copies")  # fmt: skip
         if seen == self.sum_in_backward:
             self._early[id(param)] = AsyncSum([param.grad], self.parallel.copies, self.reduce_dtype)
 
