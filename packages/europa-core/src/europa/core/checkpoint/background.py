@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.stateful import Stateful
 
-from europa.core.checkpoint.store import write_checkpoint
+from europa.core.checkpoint.store import checkpoint_content, write_checkpoint
 from europa.core.launch.faults import is_lost_contact
 
 
@@ -101,7 +101,7 @@ class BackgroundSaves:
     ) -> SaveTimes:
         waited = self.wait()
         started = time.perf_counter()
-        staged = self.stager.stage({**state.state_dict(), "trainer": trainer_state})
+        staged = self.stager.stage(checkpoint_content(state, trainer_state))
         self.staged, self.staging_bytes = staged, staged_bytes(staged)
         staged_s = time.perf_counter() - started
         self._writer = threading.Thread(

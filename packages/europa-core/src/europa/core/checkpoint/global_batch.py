@@ -10,11 +10,10 @@ says what to set. The same global batch reads the same sequences at every step
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-from europa.core.checkpoint.store import MARKER
+from europa.core.checkpoint.marker import MARKER, UnreadableMarker, read_marker
 from europa.core.config.schema import TrainingConfig
 from europa.core.errors import CheckpointError, ConfigError
 
@@ -33,7 +32,7 @@ def global_batch(training: TrainingConfig, world_size: int) -> dict[str, int]:
 
 def check_global_batch(checkpoint: Path, training: TrainingConfig, world: int) -> None:
     """Refuse a resume on ``world`` ranks that would change the checkpoint's global batch."""
-    saved = _recorded(checkpoint / MARKER)
+    saved = _recorded(checkpoint)
     if saved is None:  # written before global batches were recorded
         return
     want, here = saved["sequences"], global_batch(training, world)["sequences"]
@@ -48,15 +47,14 @@ def check_global_batch(checkpoint: Path, training: TrainingConfig, world: int) -
     )
 
 
-def _recorded(marker: Path) -> dict[str, Any] | None:
+def _recorded(checkpoint: Path) -> dict[str, Any] | None:
     try:
-        recorded = json.loads(marker.read_text()).get(KEY)
-    except (OSError, ValueError, AttributeError) as err:
+        return read_marker(checkpoint).fields.get(KEY)
+    except UnreadableMarker as err:
         raise CheckpointError(
-            f"checkpoint marker {str(marker)!r} is unreadable ({err}); expected the JSON "
-            "europa wrote"
+            f"checkpoint marker {str(checkpoint / MARKER)!r} is unreadable ({err}); expected "
+            "the JSON europa wrote"
         ) from None
-    return recorded
 
 
 def suggested_settings(want: int, training: TrainingConfig, world: int) -> dict[str, int] | None:

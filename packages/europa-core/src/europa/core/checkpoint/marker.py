@@ -42,10 +42,9 @@ class UnreadableMarker(Exception):
 
 @dataclass(frozen=True)
 class Marker:
-    step: int | None
     files: dict[str, FileRecord]
     pieces: dict[str, tuple[Piece, ...]]
-    fields: dict[str, Any]  # everything else the marker holds
+    fields: dict[str, Any]  # everything else the marker holds (the trainer's checks)
 
     def pieces_by_offset(self) -> dict[tuple[str, int], Piece]:
         return {(name, p.offset): p for name, pieces in self.pieces.items() for p in pieces}
@@ -88,7 +87,7 @@ def read_marker(checkpoint: Path) -> Marker:
     except (OSError, ValueError, AttributeError, TypeError) as err:
         raise UnreadableMarker(str(err)) from None
     fields = {k: v for k, v in content.items() if k not in ("step", "files", "items")}
-    return Marker(content.get("step"), files, pieces, fields)
+    return Marker(files, pieces, fields)
 
 
 def _files(recorded: Any) -> dict[str, FileRecord]:

@@ -84,15 +84,11 @@ def damage(path: Path) -> str | None:
     except UnreadableMarker:
         return f"its marker file {MARKER} is unreadable"
     for name, record in sorted(marker.files.items()):
-        file = path / name
-        if not file.is_file():
-            return f"its file {name} is missing"
-        if record.bytes is not None and file.stat().st_size != record.bytes:
-            return f"its file {name} has {file.stat().st_size} bytes, {record.bytes} when saved"
+        problem = file_problem(path / name, record, read=False)
+        if problem is not None:
+            return problem
     metadata = marker.files.get(METADATA_FILE)
-    if metadata is not None and metadata.crc32c is not None:
-        return file_problem(path / METADATA_FILE, metadata)
-    return None
+    return None if metadata is None else file_problem(path / METADATA_FILE, metadata)
 
 
 def find_checkpoint(run_dir: Path, step: int | None) -> tuple[int, Path]:
@@ -239,6 +235,14 @@ class TorchDistributedState:
         )
 
 
+TRAINER = "trainer"  # the trainer's own state, beside the model and optimizer's
+
+
+def checkpoint_content(state: Stateful, trainer_state: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint holds: ``state``'s (model and optimizer) and the trainer's."""
+    return {**state.state_dict(), TRAINER: trainer_state}
+
+
 def save_checkpoint(
     run_dir: Path,
     step: int,
@@ -252,9 +256,9 @@ def save_checkpoint(
     """Write ``state`` (model and optimizer, see ``europa_checkpoint_state``)
     and the trainer's own state as checkpoint ``step``; every rank calls it, and
     training waits for it (``background.BackgroundSaves`` writes while it goes on)."""
-    everything = {**state.state_dict(), "trainer": trainer_state}
+    content = checkpoint_content(state, trainer_state)
     return write_checkpoint(
-        run_dir, step, everything, keep=keep, record=record, max_bytes_per_s=max_bytes_per_s
+        run_dir, step, content, keep=keep, record=record, max_bytes_per_s=max_bytes_per_s
     )
 
 
@@ -422,7 +426,7 @@ def _root_cause(err: BaseException) -> str:
 def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) -> dict[str, Any]:
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
     template = state.state_dict()
-    loaded = {**template, "trainer": dict(trainer_state)}
+    loaded = {**template, TRAINER: dict(trainer_state)}
     metadata, pieces = saved_checks(path)
     read_metadata(path, metadata)  # refused here, in one line, before DCP sees it
     try:
@@ -433,4 +437,4 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
             raise root_exception(err) from None
         raise _mismatch(path, _root_cause(err)) from None
     state.load_state_dict({key: loaded[key] for key in template})
-    return loaded["trainer"]
+    return loaded[TRAINER]

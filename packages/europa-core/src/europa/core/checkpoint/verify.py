@@ -11,7 +11,7 @@ from tqdm import tqdm
 
 from europa.core.checkpoint.checksums import file_problem
 from europa.core.checkpoint.marker import MARKER, UnreadableMarker, read_marker
-from europa.core.checkpoint.reader import METADATA_FILE, read_metadata
+from europa.core.checkpoint.reader import read_metadata
 from europa.core.checkpoint.store import find_checkpoint
 from europa.core.errors import CheckpointError
 
@@ -45,7 +45,7 @@ def verify_checkpoint(run_dir: Path, step: int | None = None, *, progress: bool 
                 break
     if problem is None:
         try:
-            read_metadata(path, marker.files.get(METADATA_FILE))  # safe to load, too
+            read_metadata(path)  # safe to load, too (its checksum was checked above)
         except CheckpointError as err:
             problem = str(err)
     return Verified(
