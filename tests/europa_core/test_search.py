@@ -15,6 +15,7 @@ from europa.cli.app import run
 from europa.core.model import build_moe_model
 from europa.core.plan import load_profile, make_plan
 from europa.core.plan.search import plan_inputs, search_layouts
+from europa.core.plan.shapes import ModelShapes
 from europa.core.plugins import EuropaPluginManager
 from europa.core.session import open_session
 from tests.conftest import run_ranks
@@ -27,13 +28,14 @@ def _search(preset: str, overrides: list[str], world: int, plugins=()):
     manager = EuropaPluginManager()
     base, _ = open_session(preset, overrides, plugins, manager, cross_field_rules=False)
     model = build_moe_model(base.model)
+    shapes = ModelShapes.of(model)
     per_node = base.parallel.ranks_per_node or CPU.gpus_per_node
     result = search_layouts(
         source=preset,
         overrides=overrides,
         plugins=list(plugins),
         manager=manager,
-        plan_for=lambda cfg, mgr: make_plan(cfg, mgr, CPU, world, model=model),
+        plan_for=lambda cfg, mgr: make_plan(cfg, mgr, CPU, world, shapes=shapes),
         world_size=world,
         ranks_per_node=per_node,
         plan_inputs=plan_inputs(model, CPU, world, per_node),

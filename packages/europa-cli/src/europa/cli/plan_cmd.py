@@ -100,6 +100,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         else:
             world = resolved.parallel.nproc
         from europa.core.job import Job
+        from europa.core.plan.shapes import ModelShapes
 
         shaped = resolved
         if search:  # the routing groups a layout gives the router change no parameter shape
@@ -113,8 +114,10 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             )
         )
 
+        shapes = ModelShapes.of(model)
+
         def plan_for(cfg, ranks):
-            return make_plan(cfg, plugins, profile, ranks, model=model)
+            return make_plan(cfg, plugins, profile, ranks, shapes=shapes)
 
         if not search:
             plan = plan_for(resolved, world)

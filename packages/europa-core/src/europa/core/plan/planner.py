@@ -184,16 +184,19 @@ def make_plan(
     world_size: int,
     model=None,
     ranks_per_node: int = 0,
+    shapes: ModelShapes | None = None,
 ) -> Plan:
     """``ranks_per_node``: the nodes the ranks form (default: ``parallel.ranks_per_node``,
-    else the profile's ``gpus_per_node``)."""
+    else the profile's ``gpus_per_node``). ``shapes``: the model's, read once by a caller
+    that plans many layouts of one model (reading them walks the whole module tree)."""
     mesh = mesh_shape(config.parallel, world_size)
     job = Job(config=config, run_dir=Path("."), world_size=world_size,
               ranks_per_node=ranks_per_node or hardware.gpus_per_node)  # fmt: skip
     check_node_layout(config.parallel, world_size, job.node_size)
-    if model is None:
-        model = plugins.hook.europa_build_model(job=job)
-    shapes = ModelShapes.of(model)
+    if shapes is None:
+        if model is None:
+            model = plugins.hook.europa_build_model(job=job)
+        shapes = ModelShapes.of(model)
     plan = plugin_plan(job, plugins, shapes, hardware=hardware)
     return _assemble(config, hardware, world_size, mesh, shapes, plan, job.node_size)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch.nn as nn
 
@@ -17,11 +18,12 @@ class ParameterShape:
     name: str
     shape: tuple[int, ...]
 
-    @property
+    # cached: a search reads each of them once per layout it plans
+    @cached_property
     def numel(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @cached_property
     def unit(self) -> str:
         return unit_of(self.name)
 
