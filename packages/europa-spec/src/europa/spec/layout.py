@@ -11,6 +11,7 @@ records are the contract.)
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 from collections.abc import Mapping
@@ -90,11 +91,16 @@ class Layout:
         return _parse(cls, mapping, owner if isinstance(owner, str) else "?", 'plan["layout"]')
 
 
+@functools.cache
+def _type_hints(record: type) -> dict[str, Any]:
+    return typing.get_type_hints(record)  # once per record type: a search parses thousands
+
+
 def _parse(record: type, mapping: Any, plugin: str, where: str):
     if not isinstance(mapping, Mapping):
         raise LayoutError(f"plugin {plugin}: {where} = {mapping!r}: expected a table")
     fields = {f.name: f for f in dataclasses.fields(record)}
-    hints = typing.get_type_hints(record)
+    hints = _type_hints(record)
     unknown = sorted(set(mapping) - set(fields))
     if unknown:
         raise LayoutError(

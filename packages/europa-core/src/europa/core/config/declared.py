@@ -9,6 +9,7 @@ and the field, before any config is read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import typing
 from collections.abc import Mapping
 from typing import Any
@@ -24,13 +25,19 @@ def _invalid(owner: str, what: str, expected: str) -> PluginError:
     return PluginError(f"plugin {owner!r}: europa_config_sections() {what}; expected {expected}")
 
 
+@functools.cache
+def _type_hints(schema: type) -> dict[str, Any]:
+    # resolved once: a search opens a session, and checks every section, per layout
+    return typing.get_type_hints(schema)
+
+
 def _check_table(owner: str, name: Any, schema: Any) -> ConfigSection:
     if not isinstance(name, str) or not name.isidentifier():
         raise _invalid(owner, f"declares a table named {name!r}", "a name like 'my_plugin'")
     if not (isinstance(schema, type) and dataclasses.is_dataclass(schema)):
         raise _invalid(owner, f"gives [{name}] as {schema!r}", "a @dataclass class")
     try:
-        hints = typing.get_type_hints(schema)
+        hints = _type_hints(schema)
     except Exception as err:
         what = f"[{name}] has annotations that do not resolve ({err})"
         raise _invalid(owner, what, "importable types") from None

@@ -39,6 +39,11 @@ def preset_names() -> list[str]:
 def _read_preset(name: str) -> dict[str, Any]:
     if name not in preset_names():
         raise fail("preset", name, "one of " + ", ".join(show(n) for n in preset_names()))
+    return copy.deepcopy(_parsed_preset(name))  # the caller's to change
+
+
+@functools.cache
+def _parsed_preset(name: str) -> dict[str, Any]:
     text = resources.files("europa.core.config.presets").joinpath(f"{name}.toml").read_text()
     return toml.loads(text)
 
