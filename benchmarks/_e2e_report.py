@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+# Issue 25's done-lines: core's MFU and its lead over torchtitan's fastest layout at 1 rank,
+# europa's fastest layout's lead at 2 ranks, and what FlexShard may cost against core.
 TARGETS = {
-    "vs_torchtitan_shipped": 2.5,
-    "vs_torchtitan_fp32_experts": 1.5,
-    "mfu_1_rank": 0.75,
-    "scaling_2_over_1_rank": 0.95,
+    "core_mfu_1_rank": 0.80,
+    "core_over_torchtitan_1_rank": 1.25,
+    "europa_over_torchtitan_2_ranks": 1.25,
+    "flexshard_over_core_1_rank": 0.98,
+    "flexshard_ep2_overlap_over_europa_best_2_ranks": 0.95,
 }
 
 
@@ -33,11 +36,20 @@ def _best_torchtitan(configs: list[dict], family: str, world: int) -> dict | Non
     return max(theirs, key=lambda c: c["tokens_per_s"], default=None)
 
 
+def _best_torchtitan_any(configs: list[dict], world: int) -> dict | None:
+    theirs = [c for c in configs if c["system"] == "torchtitan" and c["ranks"] == world]
+    return max(theirs, key=lambda c: c["tokens_per_s"], default=None)
+
+
+def _ratio(a: dict | None, b: dict | None) -> float | None:
+    return a["tokens_per_s"] / b["tokens_per_s"] if a and b else None
+
+
 def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
     """europa's fastest layout at each rank count against torchtitan's fastest layout of
-    each expert dtype (as shipped, fp32 experts),
-    every configuration's 2-rank / 1-rank throughput, and the targets as booleans (None
-    where this run lacks what a target needs: 1 and 2 ranks, both systems)."""
+    each expert dtype (as shipped, fp32 experts), every configuration's 2-rank / 1-rank
+    throughput, and the targets: each target's measured value and whether it is met
+    (None where this run lacks what the target needs)."""
     worlds = sorted({c["ranks"] for c in configs})
     vs: dict[str, dict[str, Any]] = {}
     for world in worlds:
@@ -47,8 +59,7 @@ def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
         row: dict[str, Any] = {"europa_config": best["config"]}
         for titan in ("torchtitan-shipped", "torchtitan-fp32-experts"):
             other = _best_torchtitan(configs, titan, world)
-            ratio = best["tokens_per_s"] / other["tokens_per_s"] if other else None
-            row[f"over_{titan}"] = ratio
+            row[f"over_{titan}"] = _ratio(best, other)
             row[f"{titan}_config"] = other["config"] if other else None
         vs[f"{world}_rank"] = row
     scaling = {}
@@ -59,35 +70,28 @@ def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
     best_one, best_two = _best_europa(configs, 1), _best_europa(configs, 2)
     if best_one and best_two:
         scaling["europa_best"] = best_two["tokens_per_s"] / best_one["tokens_per_s"]
-    both = "1_rank" in vs and "2_rank" in vs
+    core_one = _find(configs, "core", 1)
+    values = {
+        "core_mfu_1_rank": core_one["mfu"] if core_one else None,
+        "core_over_torchtitan_1_rank": _ratio(core_one, _best_torchtitan_any(configs, 1)),
+        "europa_over_torchtitan_2_ranks": _ratio(best_two, _best_torchtitan_any(configs, 2)),
+        "flexshard_over_core_1_rank": _ratio(_find(configs, "flexshard", 1), core_one),
+        "flexshard_ep2_overlap_over_europa_best_2_ranks": _ratio(
+            _find(configs, "flexshard-ep2+overlap", 2), best_two
+        ),
+    }
     return {
         "europa_vs_torchtitan": vs,
         "scaling_2_over_1_rank": scaling,
         "targets": {
-            "thresholds": TARGETS,
-            "vs_torchtitan_shipped": _all_at_least(
-                [row["over_torchtitan-shipped"] for row in vs.values()] if both else [],
-                TARGETS["vs_torchtitan_shipped"],
-            ),
-            "vs_torchtitan_fp32_experts": _all_at_least(
-                [row["over_torchtitan-fp32-experts"] for row in vs.values()] if both else [],
-                TARGETS["vs_torchtitan_fp32_experts"],
-            ),
-            "mfu_1_rank": _all_at_least(
-                [best_one["mfu"]] if best_one else [], TARGETS["mfu_1_rank"]
-            ),
-            "scaling_2_over_1_rank": _all_at_least(
-                [scaling.get("europa_best")] if best_one and best_two else [],
-                TARGETS["scaling_2_over_1_rank"],
-            ),
+            name: {
+                "value": value,
+                "at_least": TARGETS[name],
+                "met": None if value is None else value >= TARGETS[name],
+            }
+            for name, value in values.items()
         },
     }
-
-
-def _all_at_least(values: list[float | None], threshold: float) -> bool | None:
-    if not values or None in values:
-        return None
-    return all(v >= threshold for v in values)
 
 
 def markdown_table(configs: list[dict]) -> str:
