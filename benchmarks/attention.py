@@ -8,6 +8,11 @@ alternating, on the same tensors. Also the work's lower bound: the causal half o
 attention FLOPs at the fp32 ``torch.mm`` peak measured here at a matching shape. Prints
 one JSON object; ``over_sdpa_math`` > 1 means faster than the baseline.
 
+``softmax_backward`` times the softmax backward of the second of 4 blocks' probabilities
+both ways, alternating: the composite formula ``P * (dP - rowsum(P * dP))`` (three
+temporaries) against torch's fused ``_softmax_backward_data`` (one pass), which
+``BlockCausalAttention`` uses. ``fused_over_composite`` > 1 means the fused one is faster.
+
     python benchmarks/attention.py [--preset debug] [--batch 4] [--seq-len 256] [--repeats 5]
 """
 
@@ -35,6 +40,27 @@ def _timed(fn, repeats: int) -> list[float]:
         fn()
         times.append(time.perf_counter() - started)
     return times
+
+
+def _softmax_backward(shape: tuple[int, int, int], repeats: int) -> dict:
+    probs = torch.randn(shape).softmax(-1)
+    grad = torch.randn(shape)
+    variants = {
+        "composite": lambda: probs * (grad - (probs * grad).sum(-1, keepdim=True)),
+        "fused": lambda: torch._softmax_backward_data(grad, probs, -1, probs.dtype),
+    }
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            times[name] += _timed(fn, 1)
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    difference = (variants["fused"]() - variants["composite"]()).abs().max().item()
+    return {
+        "shape": list(shape),
+        "median_s": medians,
+        "fused_over_composite": medians["composite"] / medians["fused"],
+        "max_abs_difference": difference,
+    }
 
 
 def main() -> None:
@@ -96,6 +122,9 @@ def main() -> None:
         "causal_flops": flops,
         "fp32_mm_flops_per_s": peak,
         "lower_bound_s": flops / peak,
+        "softmax_backward": _softmax_backward(  # the second of 4 blocks: 1/4 of the queries
+            (args.batch * heads, args.seq_len // 4, args.seq_len // 2), 4 * args.repeats
+        ),
     }, indent=2))  # fmt: skip
 
 

@@ -71,8 +71,8 @@ class _BlockCausal(torch.autograd.Function):
             grad_block = grad_out[:, start:end]
             grad_v[:, :end].baddbmm_(probs.mT, grad_block)
             grad_probs = torch.bmm(grad_block, v[:, :end].mT)
-            # softmax backward: dS = P * (dP - rowsum(P * dP))
-            grad_scores = probs * (grad_probs - (probs * grad_probs).sum(-1, keepdim=True))
+            # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
+            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
             torch.bmm(grad_scores, k[:, :end], out=grad_q[:, start:end])
             grad_k[:, :end].baddbmm_(grad_scores.mT, q[:, start:end], alpha=ctx.scale)
         return grad_q.mul_(ctx.scale), grad_k, grad_v, None, None
