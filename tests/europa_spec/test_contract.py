@@ -124,3 +124,67 @@ def test_the_exact_adamw_gives_the_same_bits_however_the_tensors_are_split(sizes
         return torch.cat([p.detach() for p in params])
 
     assert torch.equal(stepped(sizes), stepped([sum(sizes)]))
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    sizes=st.lists(st.integers(1, 5), min_size=1, max_size=4),
+    matrix=st.sampled_from([(8, 16), (1, 64), (3, 128), (7, 13)]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 999),
+)
+def test_adamw_any_split_gives_the_same_bits_however_the_stacks_are_cut(
+    sizes, matrix, threads, seed
+):
+    """FlexShard's AdamW: the fused kernel on stacks of whole-vector matrices (and the
+    elementwise form on the rest) gives each element the same bits whether its stack is
+    stepped whole or cut between matrices, on any number of threads."""
+    import torch
+
+    from europa.spec.muon import adamw_state, adamw_update_any_split, takes_fused_adamw
+
+    generator = torch.Generator().manual_seed(seed)
+    whole = torch.randn(sum(sizes), *matrix, generator=generator)
+    grads = [torch.randn(whole.shape, generator=generator) for _ in range(3)]
+
+    def stepped(splits, num_threads):
+        params = [torch.nn.Parameter(p.clone()) for p in whole.split(splits)]
+        states = [adamw_state(p) for p in params]
+        before = torch.get_num_threads()
+        torch.set_num_threads(num_threads)
+        try:
+            for grad in grads:
+                for param, piece in zip(params, grad.split(splits), strict=True):
+                    param.grad = piece.clone()
+                adamw_update_any_split(params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
+                                       weight_decay=0.1)  # fmt: skip
+        finally:
+            torch.set_num_threads(before)
+        return torch.cat([p.detach() for p in params])
+
+    assert takes_fused_adamw(whole) == (matrix != (7, 13))
+    assert torch.equal(stepped(sizes, threads), stepped([sum(sizes)], 2))
+
+
+def test_the_fused_adamw_equals_torchs_on_a_whole_vector_stack():
+    """Where it takes the fused kernel, FlexShard's AdamW is core's (torch's fused) update
+    bit for bit; elsewhere it is the elementwise form, within fp32 rounding of it."""
+    import torch
+
+    from europa.spec.muon import adamw_state, adamw_update, adamw_update_any_split
+
+    generator = torch.Generator().manual_seed(0)
+    for shape, exact in (((4, 8, 16), True), ((4, 7, 13), False)):
+        start = torch.randn(shape, generator=generator)
+        grad = torch.randn(shape, generator=generator)
+        results = []
+        for update in (adamw_update, adamw_update_any_split):
+            param = torch.nn.Parameter(start.clone())
+            param.grad = grad.clone()
+            state = adamw_state(param)
+            update([param], [state], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+            results.append(param.detach())
+        if exact:
+            assert torch.equal(*results)
+        else:
+            torch.testing.assert_close(*results, rtol=1e-6, atol=1e-7)

@@ -4,8 +4,9 @@ Every local parameter of a ``FlexShardLayout`` is a stack of whole matrices,
 so Muon's Newton–Schulz orthogonalisation, which needs a whole matrix, runs
 where the matrix lives; the rank's Muon matrices are batched by shape into one
 orthogonalisation each. AdamW is elementwise and needs nothing; it is europa-spec's
-exact form, whose bits do not depend on how a rank's tensors are split, so every
-layout trains alike (torch's fused kernel does not promise that).
+``adamw_update_any_split``, whose bits do not depend on how a rank's stacks are cut
+between matrices (torch's fused kernel where that holds for it, the elementwise form
+elsewhere), so every layout trains alike.
 
 The maths is europa-spec's (``europa.spec.muon``), the same that europa-core's
 ``MuonWithAdamW`` runs: the quintic Newton–Schulz iteration in the parameter's
@@ -21,7 +22,12 @@ from collections.abc import Callable, Sequence
 import torch
 
 from europa.flexshard.layout import FlexShardLayout
-from europa.spec.muon import adamw_state, adamw_update_exact, orthogonalise, rms_matching_scale
+from europa.spec.muon import (
+    adamw_state,
+    adamw_update_any_split,
+    orthogonalise,
+    rms_matching_scale,
+)
 from europa.spec.optim import uses_muon
 
 __all__ = ["FlexShardOptimizer", "orthogonalise"]
@@ -100,7 +106,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
                 self._muon_step(group)
             else:
                 stepped = [p for p in group["params"] if p.grad is not None]
-                adamw_update_exact(
+                adamw_update_any_split(
                     stepped,
                     [self.state[p] for p in stepped],
                     lr=group["lr"],

@@ -9,6 +9,11 @@ its scalar tail round differently: a stack of 6 matrices stepped whole and as tw
 of 3 differ by 1e-9). ``adamw_update_exact`` is elementwise and gives every element the
 same bits however the tensors are split, which FlexShard needs: its layouts (any ``ep``,
 any world size) promise the same training, routing decisions included.
+``adamw_update_any_split`` keeps that promise at the fused kernel's speed where it can: a
+stack whose matrices each hold a multiple of ``FUSED_WHOLE_VECTORS`` elements has no
+element in a scalar tail however the stack is cut between matrices, so it goes through the
+fused kernel; the rest through the elementwise form. The choice depends on the
+parameter's matrix shape alone, so every layout makes the same one.
 
 Muon: the quintic Newton–Schulz iteration with Jordan et al.'s coefficients, in the
 parameter's dtype, a 3-D stacked parameter being a batch of independent matrices; the
@@ -89,6 +94,42 @@ def adamw_update(
         eps=eps,
         maximize=False,
     )
+
+
+# torch's CPU kernel (aten/src/ATen/native/cpu/FusedAdamKernel.cpp) cuts a tensor into
+# units of one 64-byte cache line, gives each thread whole units, and runs its vector body
+# over each thread's share: only the tensor's last numel % (vector width) elements take the
+# scalar tail. 64 elements is a whole number of vectors for every dtype and ISA it has
+# (16 fp32 or 32 bf16 lanes with AVX512); its CUDA kernel does the same arithmetic for
+# every element wherever it lies.
+FUSED_WHOLE_VECTORS = 64
+
+
+def takes_fused_adamw(param: torch.Tensor) -> bool:
+    """Whether ``adamw_update_any_split`` steps ``param`` through the fused kernel: each of
+    its matrices (a 3-D parameter is a stack of them, cut only between matrices; anything
+    else is one) a whole number of vectors, and contiguous."""
+    per_matrix = math.prod(param.shape[1:]) if param.dim() == 3 else param.numel()
+    return per_matrix % FUSED_WHOLE_VECTORS == 0 and param.is_contiguous()
+
+
+@torch.no_grad()
+def adamw_update_any_split(
+    params: list[torch.Tensor],
+    states: list[dict[str, torch.Tensor]],
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """AdamW whose every element has the same bits however its stack is cut between
+    matrices: the fused kernel where ``takes_fused_adamw``, else the elementwise form."""
+    fused = [takes_fused_adamw(p) for p in params]
+    for update, wanted in ((adamw_update, True), (adamw_update_exact, False)):
+        chosen = [i for i, f in enumerate(fused) if f is wanted]
+        update([params[i] for i in chosen], [states[i] for i in chosen], lr=lr, betas=betas,
+               eps=eps, weight_decay=weight_decay)  # fmt: skip
 
 
 @torch.no_grad()
