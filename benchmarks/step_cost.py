@@ -15,6 +15,11 @@ prints JSON: per source the median step wall and CPU seconds and tokens/s over i
 trials, the ratios this tree / base (below 1: cheaper), and the largest relative
 difference of the two loss curves (same seed, data and steps: fp32 noise when the
 tree keeps the numerics; ``--warmup 46 --steps 4`` compares 50 steps).
+
+The same code repeated gives the same curve bit for bit, so ``--control-threads N`` adds
+what fp32 noise is: one more trial of ``--base`` on N threads, whose matrix products and
+reductions split their sums differently, and its curve's largest relative difference from
+the base's (``control_loss_curve_max_rel_diff``).
 """
 
 from __future__ import annotations
@@ -103,6 +108,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--control-threads", type=int, help="also run the base on N threads")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         base_path = export(args.base, Path(tmp))
@@ -110,6 +116,9 @@ def main() -> None:
         for _ in range(args.trials):
             results["base"].append(trial(base_path, args))
             results["head"].append(trial([], args))
+        if args.control_threads:
+            control_args = argparse.Namespace(**{**vars(args), "threads": args.control_threads})
+            control = trial(base_path, control_args)
     base, head = summary(results["base"]), summary(results["head"])
     print(
         json.dumps(
@@ -123,7 +132,22 @@ def main() -> None:
                 "base": base,
                 "head": head,
                 "loss_curve_max_rel_diff": loss_curve_difference(results["base"], results["head"]),
+                "loss_curves": {
+                    "base": results["base"][0]["losses"],
+                    "head": results["head"][0]["losses"],
+                    **({"control": control["losses"]} if args.control_threads else {}),
+                },
                 "steps_per_loss_curve": args.warmup + args.steps,
+                **(
+                    {
+                        "control_threads": args.control_threads,
+                        "control_loss_curve_max_rel_diff": loss_curve_difference(
+                            results["base"][:1], [control]
+                        ),
+                    }
+                    if args.control_threads
+                    else {}
+                ),
                 "head_over_base": {
                     "step_cpu_s": round(head["step_cpu_s"] / base["step_cpu_s"], 4),
                     "step_wall_s": round(head["step_wall_s"] / base["step_wall_s"], 4),
