@@ -32,11 +32,16 @@ def _records(run_dir) -> list[dict]:
 
 @pytest.mark.distributed
 def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_goes_on(tmp_path):
-    run_dir = tmp_path / "live"
+    run_dir, alone = tmp_path / "live", tmp_path / "alone"
+    run = ["--set", f"training.steps={STEPS}", "--set", "checkpoint.every=10"]
     first = subprocess.Popen(
-        [*TRAIN, "--run-dir", str(run_dir), "--set", f"training.steps={STEPS}",
-         "--set", "checkpoint.every=10"],
+        [*TRAIN, "--run-dir", str(run_dir), *run],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    # the same training in a directory of its own, beside it: what undisturbed looks like
+    reference = subprocess.Popen(
+        [*TRAIN, "--run-dir", str(alone), *run],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
@@ -53,14 +58,13 @@ def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_go
             assert "a training is using it" in second.stderr and holder in second.stderr
             assert first.poll() is None, "the first training stopped"
         assert first.wait(timeout=300) == 0, first.stderr.read()
+        assert reference.wait(timeout=300) == 0
     finally:
-        if first.poll() is None:
-            first.kill()
+        for process in (first, reference):
+            if process.poll() is None:
+                process.kill()
     assert [r["step"] for r in _records(run_dir)] == list(range(1, STEPS + 1))
     assert (run_dir / "summary.json").is_file()
-    alone = tmp_path / "alone"
-    subprocess.run([*TRAIN, "--run-dir", str(alone), "--set", f"training.steps={STEPS}",
-                    "--set", "checkpoint.every=10"], check=True, capture_output=True)  # fmt: skip
     assert [r["loss"] for r in _records(run_dir)] == [r["loss"] for r in _records(alone)]
 
 
