@@ -38,7 +38,7 @@ def _search(preset: str, overrides: list[str], world: int, plugins=()):
         plan_for=lambda cfg, mgr: make_plan(cfg, mgr, CPU, world, shapes=shapes),
         world_size=world,
         ranks_per_node=per_node,
-        plan_inputs=plan_inputs(model, CPU, world, per_node),
+        plan_inputs=plan_inputs(shapes, CPU, world, per_node),
     )
     return result, manager, model
 

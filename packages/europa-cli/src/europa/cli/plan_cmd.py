@@ -124,12 +124,12 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             print(json.dumps(plan_json(plan), indent=2) if as_json else plan_table(plan))
         else:
             plan = _search(config, overrides, plugin or [], manager, resolved, profile, world,
-                           model, plan_for, as_json)  # fmt: skip
+                           shapes, plan_for, as_json)  # fmt: skip
         if not plan.fits:
             raise typer.Exit(DOES_NOT_FIT)
 
 
-def _search(source, overrides, plugins, manager, resolved, profile, world, model, plan_for,
+def _search(source, overrides, plugins, manager, resolved, profile, world, shapes, plan_for,
             as_json):  # fmt: skip
     """``--search``: the fastest layouts that fit, printed; the best plan (or, when none
     fits, the smallest replica's for the config as given)."""
@@ -151,7 +151,7 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, model
         plan_for=lambda cfg, _manager: plan_for(cfg, world),  # the same manager, re-enabled
         world_size=world,
         ranks_per_node=per_node,
-        plan_inputs=plan_inputs(model, profile, world, per_node),
+        plan_inputs=plan_inputs(shapes, profile, world, per_node),
     )
     note = result.note(world, profile.name)
     if result.proposals:

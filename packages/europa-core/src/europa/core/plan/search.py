@@ -136,12 +136,11 @@ def _combine(alternatives: Sequence[dict[str, Any]]) -> tuple[list[str], dict[st
     return plugins, sets
 
 
-def plan_inputs(model, hardware, world_size: int, ranks_per_node: int) -> dict[str, Any]:
-    """What ``europa_search_levers`` is given to leave out layouts that cannot fit."""
-    from europa.core.plan.shapes import ModelShapes
-
+def plan_inputs(shapes, hardware, world_size: int, ranks_per_node: int) -> dict[str, Any]:
+    """What ``europa_search_levers`` is given to leave out layouts that cannot fit;
+    ``shapes``: the model's ``ModelShapes``, the ones every layout is planned with."""
     return {
-        "parameter_shapes": ModelShapes.of(model).as_dict(),
+        "parameter_shapes": shapes.as_dict(),
         "parameter_itemsize": 4,
         "hardware": hardware.as_dict(),
         "device_bytes_per_rank": hardware.device_bytes_per_rank(min(world_size, ranks_per_node)),
