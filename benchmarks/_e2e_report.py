@@ -24,20 +24,16 @@ def _find(configs: list[dict], name: str, world: int) -> dict | None:
     return next((c for c in configs if c["config"] == name and c["ranks"] == world), None)
 
 
-def _best_torchtitan(configs: list[dict], family: str, world: int) -> dict | None:
-    """torchtitan's fastest layout of one expert dtype (``family`` and ``family-<layout>``)."""
+def _best_torchtitan(configs: list[dict], world: int, family: str | None = None) -> dict | None:
+    """torchtitan's fastest configuration: of one expert dtype (``family`` and
+    ``family-<layout>``), or of all of them."""
     theirs = [
         c
         for c in configs
         if c["system"] == "torchtitan"
         and c["ranks"] == world
-        and (c["config"] == family or c["config"].startswith(f"{family}-"))
+        and (family is None or c["config"] == family or c["config"].startswith(f"{family}-"))
     ]
-    return max(theirs, key=lambda c: c["tokens_per_s"], default=None)
-
-
-def _best_torchtitan_any(configs: list[dict], world: int) -> dict | None:
-    theirs = [c for c in configs if c["system"] == "torchtitan" and c["ranks"] == world]
     return max(theirs, key=lambda c: c["tokens_per_s"], default=None)
 
 
@@ -58,7 +54,7 @@ def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
             continue
         row: dict[str, Any] = {"europa_config": best["config"]}
         for titan in ("torchtitan-shipped", "torchtitan-fp32-experts"):
-            other = _best_torchtitan(configs, titan, world)
+            other = _best_torchtitan(configs, world, titan)
             row[f"over_{titan}"] = _ratio(best, other)
             row[f"{titan}_config"] = other["config"] if other else None
         vs[f"{world}_rank"] = row
@@ -73,8 +69,8 @@ def ratios_and_targets(configs: list[dict]) -> dict[str, Any]:
     core_one = _find(configs, "core", 1)
     values = {
         "core_mfu_1_rank": core_one["mfu"] if core_one else None,
-        "core_over_torchtitan_1_rank": _ratio(core_one, _best_torchtitan_any(configs, 1)),
-        "europa_over_torchtitan_2_ranks": _ratio(best_two, _best_torchtitan_any(configs, 2)),
+        "core_over_torchtitan_1_rank": _ratio(core_one, _best_torchtitan(configs, 1)),
+        "europa_over_torchtitan_2_ranks": _ratio(best_two, _best_torchtitan(configs, 2)),
         "flexshard_over_core_1_rank": _ratio(_find(configs, "flexshard", 1), core_one),
         "flexshard_ep2_overlap_over_europa_best_2_ranks": _ratio(
             _find(configs, "flexshard-ep2+overlap", 2), best_two

@@ -116,9 +116,20 @@ def main() -> None:
         for _ in range(args.trials):
             results["base"].append(trial(base_path, args))
             results["head"].append(trial([], args))
+        control = None
         if args.control_threads:
             control_args = argparse.Namespace(**{**vars(args), "threads": args.control_threads})
             control = trial(base_path, control_args)
+    curves = {"base": results["base"][0]["losses"], "head": results["head"][0]["losses"]}
+    noise = {}
+    if control is not None:
+        curves["control"] = control["losses"]
+        noise = {
+            "control_threads": args.control_threads,
+            "control_loss_curve_max_rel_diff": loss_curve_difference(
+                results["base"][:1], [control]
+            ),
+        }
     base, head = summary(results["base"]), summary(results["head"])
     print(
         json.dumps(
@@ -132,22 +143,9 @@ def main() -> None:
                 "base": base,
                 "head": head,
                 "loss_curve_max_rel_diff": loss_curve_difference(results["base"], results["head"]),
-                "loss_curves": {
-                    "base": results["base"][0]["losses"],
-                    "head": results["head"][0]["losses"],
-                    **({"control": control["losses"]} if args.control_threads else {}),
-                },
+                "loss_curves": curves,
                 "steps_per_loss_curve": args.warmup + args.steps,
-                **(
-                    {
-                        "control_threads": args.control_threads,
-                        "control_loss_curve_max_rel_diff": loss_curve_difference(
-                            results["base"][:1], [control]
-                        ),
-                    }
-                    if args.control_threads
-                    else {}
-                ),
+                **noise,
                 "head_over_base": {
                     "step_cpu_s": round(head["step_cpu_s"] / base["step_cpu_s"], 4),
                     "step_wall_s": round(head["step_wall_s"] / base["step_wall_s"], 4),
