@@ -70,4 +70,6 @@ def run(argv: list[str] | None = None) -> int:
 
 
 def main() -> None:
-    sys.exit(run())
+    from europa.core.process_exit import exit_now
+
+    exit_now(run())
