@@ -218,7 +218,8 @@ DENSE_NODE = 'flexshard.dense_group="node"'
 DENSE_RANK = 'flexshard.dense_group="rank"'
 ACCUMULATE = "training.grad_accum_steps=2"
 ONE_NODE = "parallel.ep_max_nodes_per_token=1"
-COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6"]
+COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6", "training.seq_len=32",
+          "training.batch_size=4"]  # fmt: skip
 TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
 BF16_REPLICAS = [*COMMON, "parallel.ep=2", "parallel.dp_replicate=2", ACCUMULATE,
                  'training.dtype="bfloat16"']  # fmt: skip
