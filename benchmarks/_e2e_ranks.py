@@ -1,6 +1,7 @@
 """What each spawned rank of ``benchmarks/e2e.py`` runs: europa's Trainer for each
-layout (the code ``europa train`` runs on a rank), torchtitan's Trainer through
-``_torchtitan_cpu``, and fp32 matrix multiplies at the model's own shapes.
+layout (the code ``europa train`` runs on a rank), torchtitan's Trainer (through
+``_torchtitan_cpu`` on CPU ranks), and matrix multiplies at the model's own shapes in the
+run's compute dtype.
 
 Nothing here imports torchtitan at module level: the torchtitan launcher must patch it
 before its first import in the process."""
@@ -17,7 +18,8 @@ import torch
 def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Every layout in ``args["layouts"]`` in turn, in this one process group, each
     through ``Trainer.run()`` as in ``europa train`` (run directory, metrics, final
-    checkpoint), timed by a StepClock."""
+    checkpoint, which ``args["final_save"] = False`` leaves out), timed by a StepClock on
+    ``args["device"]``."""
     import warnings
 
     import torch.distributed as dist
@@ -31,9 +33,11 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
     results = {}
+    device_kind = args.get("device", "cpu")
+    on_device = f'parallel.device="{device_kind}"'
     try:
         for layout in args["layouts"]:
-            overrides = [*args["overrides"], *layout["overrides"], 'parallel.device="cpu"']
+            overrides = [*args["overrides"], *layout["overrides"], on_device]
             config, plugins = open_session(args["preset"], overrides, layout["plugins"])
             use_deterministic_algorithms(config.training.deterministic)  # as run_training
             place = ProcessPlace(rank, world, rank, "torchrun")
@@ -45,12 +49,16 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                       local_rank=rank, device=device, mesh=mesh)  # fmt: skip
             trainer = Trainer(job, plugins, resume=False)
-            clock = StepClock(args["warmup"], args["timed"], args["profiled"])
+            clock = StepClock(args["warmup"], args["timed"], args["profiled"], device_kind)
             trainer._forward_backward, trainer.optimizer.step = clock.watch(
                 trainer.model, trainer._forward_backward, trainer.optimizer.step
             )
             trainer.step = _after(clock.boundary, trainer.step)
-            trainer.save = _after(clock.boundary, trainer.save)  # only the final save
+            # the only save is the final one
+            if args.get("final_save", True):
+                trainer.save = _after(clock.boundary, trainer.save)
+            else:
+                trainer.save = _after(clock.boundary, _no_save)
             trainer.run()
             result = summarise(clock, trainer.batches.tokens_per_step)
             result.update(
@@ -65,6 +73,10 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     return results
 
 
+def _no_save(step: int) -> dict[str, float]:
+    return {}
+
+
 def _after(first, fn):
     def wrapper(*args, **kwargs):
         first()
@@ -75,7 +87,10 @@ def _after(first, fn):
 
 def torchtitan_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     """Each of ``args["variants"]`` (``e2e.TORCHTITAN_VARIANTS``) in turn, in this group."""
-    from _torchtitan_cpu import run_trainer  # patches torchtitan on import
+    if args.get("device", "cpu") == "cpu":
+        from _torchtitan_cpu import run_trainer  # patches torchtitan on import
+    else:
+        from _torchtitan_trainer import run_trainer
 
     return {
         v["name"]: run_trainer(
@@ -86,24 +101,33 @@ def torchtitan_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
 
 
 def matmul_rates(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
-    """fp32 ``torch.mm`` FLOP/s on this rank for each (m, k, n) in ``args["shapes"]``, all
-    ranks multiplying at once (a gloo barrier lines them up), at the thread count the
-    benchmark's ranks run with; the best of a few trials, since a peak is what it is for."""
+    """``torch.mm`` FLOP/s on this rank for each (m, k, n) in ``args["shapes"]``, in
+    ``args["dtype"]`` on ``args["device"]``, all ranks multiplying at once (a gloo barrier
+    lines them up), at the thread count the benchmark's ranks run with; the best of a few
+    trials, since a peak is what it is for. On a GPU each trial waits for its kernels."""
     import torch.distributed as dist
 
+    device = torch.device(args.get("device", "cpu"))
+    dtype = getattr(torch, args.get("dtype", "float32"))
+    wait = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    calls_per_check = 20 if device.type == "cuda" else 1
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         rates = {}
         for m, k, n in args["shapes"]:
-            a, b = torch.randn(m, k), torch.randn(k, n)
+            a = torch.randn(m, k, device=device, dtype=dtype)
+            b = torch.randn(k, n, device=device, dtype=dtype)
             torch.mm(a, b)  # warm-up
+            wait()
             best = 0.0
             for _ in range(args["trials"]):
                 dist.barrier()
                 calls, started = 0, time.perf_counter()
                 while (elapsed := time.perf_counter() - started) < args["seconds_per_trial"]:
-                    torch.mm(a, b)
-                    calls += 1
+                    for _ in range(calls_per_check):
+                        torch.mm(a, b)
+                    wait()
+                    calls += calls_per_check
                 best = max(best, 2 * m * k * n * calls / elapsed)
             rates[f"{m}x{k}x{n}"] = best
         return {"threads": torch.get_num_threads(), "flops_per_s": rates}

@@ -6,7 +6,11 @@ The trainer is left as it is; the clock wraps three of its callables (the model'
 forward through module hooks, the forward-backward method, the optimizer's ``step``)
 and is told where each iteration starts. On CPU, gloo runs collectives on its own
 threads: a collective is exposed while one is in flight and the trainer's thread runs
-no operator."""
+no operator.
+
+On a GPU (``device="cuda"``) the clock waits for the device at each mark, so a phase is
+the time its kernels took, not the time it took to queue them; the profiler records the
+kernels too, and the operator table is sorted by their time."""
 
 from __future__ import annotations
 
@@ -23,8 +27,9 @@ Intervals = list[tuple[float, float]]
 
 
 class StepClock:
-    def __init__(self, warmup: int, timed: int, profiled: int) -> None:
+    def __init__(self, warmup: int, timed: int, profiled: int, device: str = "cpu") -> None:
         self.warmup, self.timed, self.profiled = warmup, timed, profiled
+        self.on_gpu = device == "cuda"
         self.starts: list[float] = []
         self.phase_s: list[dict[str, float]] = []
         self.profiler: torch.profiler.profile | None = None
@@ -37,11 +42,14 @@ class StepClock:
     def boundary(self) -> None:
         """An iteration starts here (or the last one has ended)."""
         index = len(self.starts)
-        self.starts.append(time.perf_counter())
+        self.starts.append(self._now())
         self.phase_s.append(dict.fromkeys(PHASES[:3], 0.0))
         profile_from = self.warmup + self.timed
         if self.profiled and index == profile_from:
-            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if self.on_gpu:
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities)
             self.profiler.__enter__()
         elif self.profiler is not None and index == profile_from + self.profiled:
             self.profiler.__exit__(None, None, None)
@@ -56,26 +64,31 @@ class StepClock:
     def _forward_begins(self, *_: Any) -> None:
         self._forward_mark = torch.profiler.record_function("e2e.forward")
         self._forward_mark.__enter__()
-        self._forward_started = time.perf_counter()
+        self._forward_started = self._now()
 
     def _forward_ends(self, *_: Any) -> None:
         if self.phase_s:  # a forward before the first step (none today) is not timed
-            self.phase_s[-1]["forward"] += time.perf_counter() - self._forward_started
+            self.phase_s[-1]["forward"] += self._now() - self._forward_started
         self._forward_mark.__exit__(None, None, None)
 
     def _phase(self, name: str, fn: Callable) -> Callable:
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            started = time.perf_counter()
+            started = self._now()
             with torch.profiler.record_function(f"e2e.{name}"):
                 try:
                     return fn(*args, **kwargs)
                 finally:
                     if self.phase_s:
                         key = "backward" if name == "fwd_bwd" else name  # less forward, later
-                        self.phase_s[-1][key] += time.perf_counter() - started
+                        self.phase_s[-1][key] += self._now() - started
 
         return wrapper
+
+    def _now(self) -> float:
+        if self.on_gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     # -- what the benchmark reads -------------------------------------------------------
 
@@ -122,7 +135,8 @@ class StepClock:
     def operator_table(self, rows: int = 25) -> str:
         if self.profile is None:
             return ""
-        return self.profile.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows)
+        key = "self_device_time_total" if self.on_gpu else "self_cpu_time_total"
+        return self.profile.key_averages().table(sort_by=key, row_limit=rows)
 
 
 def _span(event: Any) -> tuple[float, float]:
@@ -143,6 +157,7 @@ def summarise(clock: StepClock, tokens_per_step: int) -> dict[str, Any]:
     phases = {name: statistics.median(s[name] for s in steps) for name in PHASES}
     fractions = clock.exposed_fractions()
     exposed = {name: phases[name] * fractions[name] for name in PHASES}
+    memory = {"peak_gpu_memory_bytes": torch.cuda.max_memory_allocated()} if clock.on_gpu else {}
     return {
         "tokens_per_s": tokens_per_step / median,
         "tokens_per_s_mean": tokens_per_step * len(steps) / total,
@@ -151,6 +166,7 @@ def summarise(clock: StepClock, tokens_per_step: int) -> dict[str, Any]:
         "phases_s": phases,
         "exposed_communication_s": sum(exposed.values()),
         "exposed_communication_by_phase_s": exposed,
+        **memory,
     }
 
 

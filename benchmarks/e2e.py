@@ -22,7 +22,17 @@ no recomputation); achieved FLOP/s and MFU against the fp32 ``torch.mm`` peak me
 in the same run at the model's own matmul shapes and thread setting. Then the ratios
 and the targets they are held to (``_e2e_report.TARGETS``).
 
+On one GPU (``--device cuda --dtype bfloat16 --preset small --worlds 1``, the GPU check's
+part) the same configurations that run on one rank train in bf16 mixed precision (fp32
+parameters and optimizer state, bf16 compute) against torchtitan's Trainer as shipped
+(its mixed precision, bf16 routed experts; the fp32-experts variant has nothing to
+change there); the clock waits for the GPU at each mark, the peak is bf16 ``torch.mm`` on
+that GPU, each configuration's peak GPU memory is reported, the final checkpoint is left
+out of the run (the GPU check has minutes, not the write of a 6.5 GB state), and the
+targets are the GPU goals (``_e2e_report.GPU_TARGETS``).
+
     python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
+        [--preset debug] [--device cpu|cuda] [--dtype float32|bfloat16]
 
 ``--out DIR`` writes e2e.json, e2e_table.md and e2e_profile_europa.txt (the top 25
 operators by self CPU time of each europa run, rank 0).
@@ -42,7 +52,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_ranks import europa_runs, matmul_rates, torchtitan_runs
-from _e2e_report import markdown_table, ratios_and_targets
+from _e2e_report import GPU_TARGETS, TARGETS, markdown_table, ratios_and_targets
 from _harness import run_ranks
 
 OVERLAP = ("overlap.timeline=false", 'overlap.reshard_after_forward="none"')
@@ -93,6 +103,9 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--log-every", type=int, default=10, help="both trainers' log period")
     parser.add_argument("--worlds", default="1,2", help="rank counts, comma-separated")
     parser.add_argument("--quick", action="store_true", help="smoke test: seq 32, 1+1+1 steps")
+    parser.add_argument("--preset", default="debug", help="the model both systems train")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = parser.parse_args()
     if args.quick:
         args.seq_len, args.global_batch = 32, 2
@@ -103,6 +116,10 @@ def _parse() -> argparse.Namespace:
             parser.error(
                 f"--worlds {world}: expected a divisor of --global-batch {args.global_batch}"
             )
+    if args.device == "cuda":
+        gpus = torch.cuda.device_count()
+        if max(args.worlds) > gpus:
+            parser.error(f"--worlds {args.worlds}: expected at most the {gpus} GPU(s) here")
     return args
 
 
@@ -114,7 +131,8 @@ def model_facts(preset: str, seq_len: int) -> dict[str, Any]:
     from europa.core.plan.timing import model_flops_per_token
 
     m = load_config(preset).model
-    model = build_moe_model(m)
+    with torch.device("meta"):  # shapes only
+        model = build_moe_model(m)
     matmuls = set()
     for name, p in model.named_parameters():
         if "tok_embeddings" in name or p.dim() < 2:
@@ -151,11 +169,12 @@ def model_check(configs: list[dict], facts: dict) -> dict[str, Any]:
     }
 
 
-def gemm_peak(world: int, tokens_per_rank: int, matmuls: list, seconds: float) -> dict[str, Any]:
+def gemm_peak(world: int, tokens_per_rank: int, matmuls: list, seconds: float, args) -> dict:
     """Per shape, the FLOP/s of all ranks multiplying at once (summed over ranks)."""
     shapes = sorted({(max(1, round(tokens_per_rank * share)), k, n) for k, n, share in matmuls})
     timing = {"trials": 5, "seconds_per_trial": seconds / 5}
-    ranks = run_ranks(matmul_rates, world, {"shapes": shapes, **timing})
+    on = {"device": args.device, "dtype": args.dtype}
+    ranks = run_ranks(matmul_rates, world, {"shapes": shapes, **timing, **on})
     rates = {s: sum(r["flops_per_s"][s] for r in ranks) for s in ranks[0]["flops_per_s"]}
     return {"threads_per_rank": ranks[0]["threads"], "rates": rates}
 
@@ -178,24 +197,33 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     overrides = [
         f"training.batch_size={batch}",
         f"training.seq_len={args.seq_len}",
+        f'training.dtype="{args.dtype}"',
         f"training.steps={args.warmup + args.steps + args.profile_steps}",
         f"metrics.log_every={args.log_every}",
         "metrics.progress=false",
     ]
     gemm_seconds = 0.2 if args.quick else 0.5
-    before = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
+    before = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds, args)
     timing = {"warmup": args.warmup, "timed": args.steps, "profiled": args.profile_steps}
     layouts = [layout for layout in LAYOUTS if world >= layout["min_world"]]
     # One fresh process group per configuration: a trainer that ran earlier in the same
     # processes slowed the next one's steps by up to a third (see run_alone).
-    europa_args = {"preset": "debug", "overrides": overrides, "root": root, **timing}
+    on = {"device": args.device, "preset": args.preset}
+    europa_args = {"overrides": overrides, "root": root, "final_save": args.device == "cpu",
+                   **on, **timing}  # fmt: skip
     europa = run_alone(europa_runs, world, europa_args, "layouts", layouts)
-    titan_args = {"preset": "debug", "overrides": overrides[:2], "log_every": args.log_every,
-                  "data_dir": root, "steps": args.warmup + args.steps + args.profile_steps,
-                  **timing}  # fmt: skip
-    variants = [v for v in TORCHTITAN_VARIANTS if world >= v["min_world"]]
+    # torchtitan's own debugmodel where that is the preset, else europa's [model] as its config
+    titan_args = {"overrides": overrides[:3], "europa_shape": args.preset != "debug",
+                  "log_every": args.log_every, "data_dir": root,
+                  "steps": args.warmup + args.steps + args.profile_steps,
+                  **on, **timing}  # fmt: skip
+    variants = [
+        v
+        for v in TORCHTITAN_VARIANTS
+        if world >= v["min_world"] and not (v["fp32_experts"] and args.dtype != "float32")
+    ]
     titan = run_alone(torchtitan_runs, world, titan_args, "variants", variants)
-    after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds)
+    after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds, args)
     peak = _peak(before, after)
     runs = [("europa", europa), ("torchtitan", titan)]
     configs = [
@@ -237,7 +265,7 @@ def _config(system, name, world, batch, result, facts, peak_flops) -> dict[str, 
 
 def main() -> None:
     args = _parse()
-    facts = model_facts("debug", args.seq_len)
+    facts = model_facts(args.preset, args.seq_len)
     configs, peaks = [], {}
     with tempfile.TemporaryDirectory(prefix="e2e-") as root:
         for world in args.worlds:
@@ -250,7 +278,9 @@ def main() -> None:
     }
     result = {
         "benchmark": "e2e",
-        "preset": "debug",
+        "preset": args.preset,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "dtype": args.dtype,
         "global_batch": args.global_batch,
         "seq_len": args.seq_len,
         "warmup_steps": args.warmup,
@@ -261,9 +291,9 @@ def main() -> None:
         "torch": torch.__version__,
         "model_flops_per_token": facts["model_flops_per_token"],
         "model_check": model_check(configs, facts),
-        "fp32_matmul_peak": peaks,
+        "matmul_peak": peaks,
         "configs": configs,
-        **ratios_and_targets(configs),
+        **ratios_and_targets(configs, GPU_TARGETS if args.device == "cuda" else TARGETS),
     }
     document = json.dumps(result, indent=2)
     table = markdown_table(configs)

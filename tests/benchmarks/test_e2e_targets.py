@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _e2e_report import ratios_and_targets
+from _e2e_report import GPU_TARGETS, ratios_and_targets
 
 
 def _run(system: str, config: str, ranks: int, tokens_per_s: float, mfu: float = 0.5):
@@ -52,3 +52,16 @@ def test_a_target_this_run_cannot_measure_is_none():
                  "flexshard_over_core_1_rank",
                  "flexshard_ep2_overlap_over_europa_best_2_ranks"):  # fmt: skip
         assert targets[name]["value"] is None and targets[name]["met"] is None
+
+
+def test_the_gpu_run_is_held_to_the_gpu_goals_only():
+    configs = [
+        _run("europa", "core", 1, 1200, mfu=0.4),
+        _run("europa", "flexshard", 1, 1190),
+        _run("torchtitan", "torchtitan-shipped", 1, 1000),
+    ]
+    targets = ratios_and_targets(configs, GPU_TARGETS)["targets"]
+    assert targets == {
+        "core_over_torchtitan_1_rank": {"value": 1.2, "at_least": 1.10, "met": True},
+        "flexshard_over_core_1_rank": {"value": 1190 / 1200, "at_least": 0.98, "met": True},
+    }

@@ -160,7 +160,7 @@ BAD = [
     (["config", "show", "huge"], 'config = "huge": expected a TOML file or a preset name'),
     (
         ["config", "show", "--set", "preset=huge"],
-        'preset = "huge": expected one of "debug", "kimi-k2", "tiny"',
+        'preset = "huge": expected one of "debug", "kimi-k2", "small", "tiny"',
     ),
     (
         ["config", "show", "missing.toml"],

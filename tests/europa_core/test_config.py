@@ -33,7 +33,7 @@ from europa.core.config import (
 from europa.core.config.fields import bounds_of
 from europa.core.errors import ConfigError
 
-PRESETS = ["debug", "kimi-k2", "tiny"]
+PRESETS = ["debug", "kimi-k2", "small", "tiny"]
 
 
 def render(value: Any) -> str:
@@ -457,7 +457,7 @@ BAD = [
         "set-preset-huge",
         None,
         ["preset=huge"],
-        'preset = "huge": expected one of "debug", "kimi-k2", "tiny"',
+        'preset = "huge": expected one of "debug", "kimi-k2", "small", "tiny"',
     ),
     ("set-preset-int", None, ["preset=3"], "preset = 3: expected a string"),
     (
@@ -535,7 +535,7 @@ BAD = [
         "file-preset-huge",
         'preset = "huge"\n',
         [],
-        'preset = "huge": expected one of "debug", "kimi-k2", "tiny"',
+        'preset = "huge": expected one of "debug", "kimi-k2", "small", "tiny"',
     ),
     ("file-preset-not-string", "preset = 3\n", [], "preset = 3: expected a string"),
     (

@@ -19,6 +19,11 @@
 #   bench_offload.json          europa-offload's CUDA path: peak memory with and without
 #                               offload, step time, and the copies' overlap with kernels
 #                               from a profiler trace (trace/offload_step_trace.json)
+#   e2e_gpu/e2e.json            benchmarks/e2e.py on this GPU in bf16, the `small` preset
+#                               (406 M parameters): core and FlexShard against torchtitan's
+#                               Trainer, tokens/s, MFU against bf16 torch.mm, peak memory,
+#                               and the GPU targets (e2e_gpu/e2e_table.md, the operators
+#                               by GPU time in e2e_gpu/e2e_profile_europa.txt)
 #   pytest_cuda.txt             the cuda-marked tests
 #   smoke.txt                   fp32 and bf16 training with each plugin that runs on one
 #                               GPU, then a background checkpoint save, verified
@@ -26,8 +31,6 @@
 #                               this GPU measured, and the bf16 debug step predicted with it
 #   flexshard_alone.json        europa-flexshard without europa-core
 #   bench_flexshard_cpu.json, bench_expert_parallel_cpu.json   (their CPU halves)
-# Not built yet: benchmarks/e2e.py against torchtitan's Trainer on the GPU (it runs on CPU
-# gloo ranks only); parts.jsonl says so.
 set -u
 here=$(dirname "$0")
 export PYTHONUNBUFFERED=1
@@ -67,6 +70,9 @@ cat $OUT/env.txt
 
 part offload 90 $OUT/bench_offload.json \
   python3 benchmarks/offload.py --json --trace $OUT/trace
+part e2e_gpu 180 $OUT/e2e_gpu.log \
+  python3 benchmarks/e2e.py --device cuda --dtype bfloat16 --preset small --worlds 1 \
+  --global-batch 8 --seq-len 2048 --warmup 3 --steps 6 --profile-steps 1 --out $OUT/e2e_gpu
 part pytest_cuda 120 $OUT/pytest_cuda.txt \
   python3 -m pytest -q -p no:cacheprovider -m cuda tests/
 
@@ -99,7 +105,6 @@ part plan_bf16_debug 30 $OUT/plan_bf16_debug.json \
   python3 -m europa.cli plan debug --hardware $OUT/measured_gpu.toml --set "$bf16" \
   --set parallel.nproc=1 --json
 part flexshard_alone 60 $OUT/flexshard_alone.json python3 $here/flexshard_alone.py
-record e2e_vs_torchtitan skipped 0 "not built: benchmarks/e2e.py runs on CPU gloo ranks only"
 part bench_flexshard_cpu 60 $OUT/bench_flexshard_cpu.json python3 benchmarks/flexshard.py --json
 part bench_expert_parallel_cpu 60 $OUT/bench_expert_parallel_cpu.json \
   python3 benchmarks/expert_parallel.py --json
