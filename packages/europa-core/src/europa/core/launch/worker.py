@@ -62,4 +62,12 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     from europa.core.process_exit import exit_now
 
-    exit_now(main())
+    try:
+        code = main()
+    except Exception:
+        # Reported as Python reports an uncaught error (its traceback, exit code 1), then
+        # gone at once: a rank still in its teardown would let the ranks that lost contact
+        # with it exit first, and the launcher would name one of them as the first failure.
+        sys.excepthook(*sys.exc_info())
+        code = 1
+    exit_now(code)
