@@ -92,10 +92,9 @@ def torchtitan_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, An
     else:
         from _torchtitan_trainer import run_trainer
 
+    settings = ("fp32_experts", "replicate", "cuda_graphs")
     return {
-        v["name"]: run_trainer(
-            rank, world, {**args, "fp32_experts": v["fp32_experts"], "replicate": v["replicate"]}
-        )
+        v["name"]: run_trainer(rank, world, {**args, **{k: v.get(k, False) for k in settings}})
         for v in args["variants"]
     }
 

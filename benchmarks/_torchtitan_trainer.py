@@ -145,7 +145,8 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
         max_norm=europa.training.max_grad_norm,
         dtype="float32",  # the parameters': bf16 compute is mixed precision, as in europa
         mixed_precision_param=europa.training.dtype,
-        disable_cuda_graphs=True,
+        # its default on a GPU is to capture forward and backward as a CUDA graph
+        disable_cuda_graphs=not args.get("cuda_graphs", False),
     )
     # Its default "spmd_types" backend refuses FSDP on these CPU ranks (a norm weight stays
     # a plain tensor: "all parameters must be DTensors on the full SPMD mesh");

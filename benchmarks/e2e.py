@@ -26,10 +26,13 @@ On one GPU (``--device cuda --dtype bfloat16 --preset small --worlds 1``, the GP
 part) the same configurations that run on one rank train in bf16 mixed precision (fp32
 parameters and optimizer state, bf16 compute) against torchtitan's Trainer as shipped
 (its mixed precision, bf16 routed experts; the fp32-experts variant has nothing to
-change there); the clock waits for the GPU at each mark, the peak is bf16 ``torch.mm`` on
+change there), with and without the CUDA graph of forward and backward its debugmodel
+ships with; the clock waits for the GPU at each mark, the peak is bf16 ``torch.mm`` on
 that GPU, each configuration's peak GPU memory is reported, the final checkpoint is left
 out of the run (the GPU check has minutes, not the write of a 6.5 GB state), and the
-targets are the GPU goals (``_e2e_report.GPU_TARGETS``).
+targets are the GPU goals (``_e2e_report.GPU_TARGETS``). A configuration that fails is
+reported (``failed_configs``, and a last line naming it, exit status 1) and the others
+still run.
 
     python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
         [--preset debug] [--device cpu|cuda] [--dtype float32|bfloat16]
@@ -88,6 +91,9 @@ TORCHTITAN_VARIANTS = (
      "min_world": 2},
     {"name": "torchtitan-fp32-experts-hsdp", "fp32_experts": True, "replicate": True,
      "min_world": 2},
+    # on a GPU its debugmodel ships capturing forward and backward as a CUDA graph
+    {"name": "torchtitan-shipped-cudagraphs", "fp32_experts": False, "replicate": False,
+     "cuda_graphs": True, "min_world": 1, "device": "cuda"},
 )  # fmt: skip
 
 
@@ -190,9 +196,11 @@ def _peak(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
+def run_world(args: argparse.Namespace, world: int, facts: dict, root: str, failed: dict):
     """The configurations at this many ranks, between two measurements of the matmul
-    peak (the better of the two per shape: a neighbour's burst only lowers a peak)."""
+    peak (the better of the two per shape: a neighbour's burst only lowers a peak). A
+    configuration that fails goes into ``failed`` (its error's last lines) and the run
+    goes on: the GPU check has one call to learn from."""
     batch = args.global_batch // world
     overrides = [
         f"training.batch_size={batch}",
@@ -211,7 +219,7 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     on = {"device": args.device, "preset": args.preset}
     europa_args = {"overrides": overrides, "root": root, "final_save": args.device == "cpu",
                    **on, **timing}  # fmt: skip
-    europa = run_alone(europa_runs, world, europa_args, "layouts", layouts)
+    europa = run_alone(europa_runs, world, europa_args, "layouts", layouts, failed)
     # torchtitan's own debugmodel where that is the preset, else europa's [model] as its config
     titan_args = {"overrides": overrides[:3], "europa_shape": args.preset != "debug",
                   "log_every": args.log_every, "data_dir": root,
@@ -220,9 +228,11 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     variants = [
         v
         for v in TORCHTITAN_VARIANTS
-        if world >= v["min_world"] and not (v["fp32_experts"] and args.dtype != "float32")
+        if world >= v["min_world"]
+        and v.get("device", args.device) == args.device
+        and not (v["fp32_experts"] and args.dtype != "float32")
     ]
-    titan = run_alone(torchtitan_runs, world, titan_args, "variants", variants)
+    titan = run_alone(torchtitan_runs, world, titan_args, "variants", variants, failed)
     after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds, args)
     peak = _peak(before, after)
     runs = [("europa", europa), ("torchtitan", titan)]
@@ -234,8 +244,9 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str):
     return configs, peak
 
 
-def run_alone(fn, world: int, args: dict, key: str, configurations) -> dict[str, Any]:
-    """``fn`` on fresh ranks for each configuration in turn; results by name.
+def run_alone(fn, world: int, args: dict, key: str, configurations, failed: dict) -> dict:
+    """``fn`` on fresh ranks for each configuration in turn; results by name, and the
+    last lines of each failure by name in ``failed``.
 
     Run one after another in the same processes, the second europa layout took 20-30%
     longer per step than it did when run first, whichever layout it was (user CPU time
@@ -246,7 +257,12 @@ def run_alone(fn, world: int, args: dict, key: str, configurations) -> dict[str,
     fresh ranks keep the configurations independent of any such state anyway."""
     results: dict[str, Any] = {}
     for configuration in configurations:
-        results.update(run_ranks(fn, world, {**args, key: [configuration]})[0])
+        try:
+            results.update(run_ranks(fn, world, {**args, key: [configuration]})[0])
+        except RuntimeError as err:  # a rank's error, with its traceback
+            name = f"{configuration['name']} ({world} rank)"
+            failed[name] = str(err).strip().splitlines()[-6:]
+            print(f"e2e: {name} failed: {failed[name][-1]}", file=sys.stderr)
     return results
 
 
@@ -266,10 +282,10 @@ def _config(system, name, world, batch, result, facts, peak_flops) -> dict[str, 
 def main() -> None:
     args = _parse()
     facts = model_facts(args.preset, args.seq_len)
-    configs, peaks = [], {}
+    configs, peaks, failed = [], {}, {}
     with tempfile.TemporaryDirectory(prefix="e2e-") as root:
         for world in args.worlds:
-            world_configs, peaks[f"{world}_rank"] = run_world(args, world, facts, root)
+            world_configs, peaks[f"{world}_rank"] = run_world(args, world, facts, root, failed)
             configs += world_configs
     tables = {
         f"{c['config']} ({c['ranks']} rank)": c.pop("operator_table")
@@ -293,6 +309,7 @@ def main() -> None:
         "model_check": model_check(configs, facts),
         "matmul_peak": peaks,
         "configs": configs,
+        "failed_configs": failed,
         **ratios_and_targets(configs, GPU_TARGETS if args.device == "cuda" else TARGETS),
     }
     document = json.dumps(result, indent=2)
@@ -305,6 +322,8 @@ def main() -> None:
             "".join(f"== europa {name}, rank 0 ==\n{t}\n" for name, t in tables.items() if t)
         )
     print(document if args.json else table)
+    if failed:
+        sys.exit(f"e2e: {len(failed)} configuration(s) failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":
