@@ -113,8 +113,9 @@ class OwnershipPlan:
     def _per_rank(self, per_matrix: str) -> list[int]:
         totals = [0] * self.group_size
         for p in self.parameters:
+            each = getattr(p, per_matrix)
             for rank, count in enumerate(self.counts(p.name)):
-                totals[rank] += count * getattr(p, per_matrix)
+                totals[rank] += count * each
         return totals
 
     def rank_bytes(self) -> list[int]:

@@ -445,16 +445,19 @@ class _OwnedElements:
     def add(self, spec, counts, source_rank, tensors: int = 1, expert: bool = False) -> None:
         """``counts[source_rank(r)]`` matrices of ``spec`` on shard rank ``r``."""
         use_muon = bool(self.orthogonalised and self.orthogonalised(spec.name, spec.shape))
+        numel, by_rule = spec.matrix_numel, self.by_rule[use_muon]
+        in_root = spec.unit == ROOT_UNIT
+        by_unit = None if expert else self.by_unit.setdefault(spec.unit, [0] * self.ranks)
         for r in range(self.ranks):
-            owned = counts[source_rank(r)] * spec.matrix_numel
+            owned = counts[source_rank(r)] * numel
             self.stored[r] += owned
-            self.by_rule[use_muon][r] += owned
+            by_rule[r] += owned
             if expert:
                 self.experts[r] += owned
-            if spec.unit == ROOT_UNIT:
+            if in_root:
                 self.root[r] += owned
-            if not expert:
-                self.by_unit.setdefault(spec.unit, [0] * self.ranks)[r] += owned
+            if by_unit is not None:
+                by_unit[r] += owned
         if not use_muon:
             self.adamw_tensors += tensors
 

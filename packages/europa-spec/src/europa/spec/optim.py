@@ -7,6 +7,7 @@ authors advise; every other matrix (hidden weights, stacked experts) goes to Muo
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 # Parts of a parameter's name that keep it on AdamW however many dimensions it has.
@@ -20,7 +21,12 @@ STEP_COUNTER_BYTES = 4
 
 def uses_muon(name: str, shape: Sequence[int]) -> bool:
     """Hidden weight matrices and stacked expert matrices go to Muon; the rest to AdamW."""
-    return len(shape) >= 2 and not any(part in name for part in ADAMW_ONLY_PARTS)
+    return len(shape) >= 2 and not _kept_on_adamw(name)
+
+
+@functools.cache  # a search asks this of every parameter for each of its many layouts
+def _kept_on_adamw(name: str) -> bool:
+    return any(part in name for part in ADAMW_ONLY_PARTS)
 
 
 def optimizer_state_bytes(muon_elements: int, adamw_elements: int, adamw_tensors: int) -> int:

@@ -53,5 +53,10 @@ class ModelShapes:
         units[ROOT_UNIT] = [p for p in self.parameters if p.unit == ROOT_UNIT]
         return units
 
-    def as_dict(self) -> dict[str, list[int]]:
-        return {p.name: list(p.shape) for p in self.parameters}
+    def as_dict(self) -> dict[str, tuple[int, ...]]:
+        """{name: shape}, a fresh dict each call (a search asks for it once per layout)."""
+        return dict(self._by_name)
+
+    @cached_property
+    def _by_name(self) -> dict[str, tuple[int, ...]]:
+        return {p.name: p.shape for p in self.parameters}
