@@ -34,7 +34,17 @@ def data_parallel_form(dp_replicate: int, dp_shard: int, dtype: str) -> str:
 
 def fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, *, form: str = "fsdp2") -> dict:
     """``form``: "fsdp2" (or "hsdp"), or "plain" / "ddp" where core leaves FSDP2 out (fp32,
-    ``dp_shard = 1``): nothing is gathered then."""
+    ``dp_shard = 1``): nothing is gathered then. Computed once per arguments for a model's
+    shapes; each caller gets its own copy to change (a plugin's ``europa_plan`` may)."""
+    layout = shapes.remembered(
+        ("fsdp2_layout", ranks, optimizer, form),
+        lambda: _fsdp2_layout(shapes, ranks, optimizer, form),
+    )
+    # its values are numbers, strings, lists of numbers and a dict of numbers
+    return {k: v.copy() if isinstance(v, list | dict) else v for k, v in layout.items()}
+
+
+def _fsdp2_layout(shapes: ModelShapes, ranks: int, optimizer: str, form: str) -> dict:
     plain = form in ("plain", "ddp")
     stored = [0] * (ranks + 1)  # difference arrays: O(parameters + ranks)
     local = {"muon": [0] * (ranks + 1), "adamw": [0] * (ranks + 1)}

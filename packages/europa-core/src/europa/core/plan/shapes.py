@@ -4,8 +4,10 @@ tree built on the meta device (nothing is allocated)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Any
 
 import torch.nn as nn
 
@@ -60,3 +62,15 @@ class ModelShapes:
     @cached_property
     def _by_name(self) -> dict[str, tuple[int, ...]]:
         return {p.name: p.shape for p in self.parameters}
+
+    def remembered(self, key: Hashable, compute: Callable[[], Any]) -> Any:
+        """``compute()``, once per ``key`` for these shapes: a search plans hundreds of
+        layouts of one model, many alike in what ``key`` names."""
+        memo = self._memo
+        if key not in memo:
+            memo[key] = compute()
+        return memo[key]
+
+    @cached_property
+    def _memo(self) -> dict[Hashable, Any]:
+        return {}
