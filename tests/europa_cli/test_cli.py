@@ -293,3 +293,20 @@ def test_console_script_bad_key_exits_2_with_one_line(tmp_path):
     assert (
         proc.stderr == "europa: error: model.top_kk = 3: unknown key; did you mean model.top_k?\n"
     )
+
+
+def test_commands_that_need_no_model_start_without_loading_torch():
+    """``europa --help``, ``plugins`` and ``config`` answer in a fraction of a second: the
+    plugin manager and every installed plugin load without torch (or torchtitan, which
+    alone took some 5 s of start-up before)."""
+    probe = (
+        "import sys\n"
+        "from europa.cli.app import run\n"
+        "for args in (['--help'], ['plugins'], ['config', 'show', 'tiny']):\n"
+        "    assert run(args) == 0, args\n"
+        "print(sorted(m for m in ('torch', 'torchtitan') if m in sys.modules))\n"
+    )
+    process = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             timeout=60)  # fmt: skip
+    assert process.returncode == 0, process.stderr
+    assert process.stdout.strip().splitlines()[-1] == "[]"

@@ -28,7 +28,6 @@ and DTensors, so a third-party DTensor layout needs none of them.
 from __future__ import annotations
 
 from europa.core.errors import PluginError
-from europa.core.plan.layout import data_parallel_form
 from europa.spec.hookspecs import hookimpl
 
 OWNER = "core.fsdp2"
@@ -58,6 +57,8 @@ def europa_shard_model(job, model):
             "or enable a plugin whose europa_shard_model provides it"
         )
     from torch.distributed.fsdp import fully_shard
+
+    from europa.core.plan.layout import data_parallel_form  # loads the model: not at startup
 
     dtype = job.config.training.dtype
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
