@@ -51,7 +51,10 @@ def describe_failure(run_dir: Path, exit_codes: dict[int, int]) -> tuple[str, in
     culprits = [
         rank for rank in sorted(exit_codes) if records.get(rank, {}).get("phase") != LOST_CONTACT
     ]
-    rank = culprits[0] if culprits else min(exit_codes)
+    # torch's agent stops the survivors of a failure with SIGTERM, sometimes before they
+    # note the lost contact: a rank that ended any other way failed first.
+    first_hand = [rank for rank in culprits if exit_codes[rank] != -signal.SIGTERM]
+    rank = (first_hand or culprits or [min(exit_codes)])[0]
     code = exit_codes[rank]
     line = f"worker rank {rank} {_how(code)} {_where(records.get(rank))}; {next_step(run_dir)}"
     return line, code if code > 0 else 128 - code  # killed by signal N: 128 + N
