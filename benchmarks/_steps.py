@@ -10,7 +10,9 @@ no operator.
 
 On a GPU (``device="cuda"``) the clock waits for the device at each mark, so a phase is
 the time its kernels took, not the time it took to queue them; the profiler records the
-kernels too, and the operator table is sorted by their time."""
+kernels too, and the operator table is sorted by their time. Where forward and backward
+replay as a CUDA graph (torchtitan's default on a GPU), the model's hooks do not run: the
+forward is counted in the backward, and the step time is unaffected."""
 
 from __future__ import annotations
 
@@ -86,7 +88,9 @@ class StepClock:
         return wrapper
 
     def _now(self) -> float:
-        if self.on_gpu:
+        # not while a CUDA graph is being captured (torchtitan's forward and backward can
+        # be): a sync is refused there, and the hooks inside do not run when it replays
+        if self.on_gpu and not torch.cuda.is_current_stream_capturing():
             torch.cuda.synchronize()
         return time.perf_counter()
 
