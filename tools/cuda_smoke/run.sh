@@ -8,7 +8,10 @@
 #   python -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #       --platform manylinux2014_x86_64 --platform any -d .whl torchtitan==0.3.0 \
 #       spmd_types==0.2.3 tomli_w==1.2.0 tyro==1.0.17 \
-#       docstring_parser==0.18.0 typeguard==4.6.1 crc32c==2.9.post0
+#       docstring_parser==0.18.0 typeguard==4.6.1 crc32c==2.9.post0 \
+#       datasets==4.7.0 torchdata==0.11.0 dill==0.4.0 multiprocess==0.70.18
+# (the last four: torchtitan's Trainer, which e2e_gpu runs, imports them; the image lacks
+# them)
 # Then run there, carrying .whl:  bash tools/cuda_smoke/run.sh   (device tool timeout 540)
 #
 # Parts run in order of what matters most, each within its own budget and what is left of
