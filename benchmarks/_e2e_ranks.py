@@ -54,11 +54,8 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 trainer.model, trainer._forward_backward, trainer.optimizer.step
             )
             trainer.step = _after(clock.boundary, trainer.step)
-            # the only save is the final one
-            if args.get("final_save", True):
-                trainer.save = _after(clock.boundary, trainer.save)
-            else:
-                trainer.save = _after(clock.boundary, _no_save)
+            save = trainer.save if args.get("final_save", True) else _no_save
+            trainer.save = _after(clock.boundary, save)  # the only save is the final one
             trainer.run()
             result = summarise(clock, trainer.batches.tokens_per_step)
             result.update(

@@ -48,10 +48,10 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="git ref to compare with")
     parser.add_argument("--trials", type=int, default=3)
     args = parser.parse_args()
-    here = sorted(str(p) for p in (Path(__file__).resolve().parents[1] / "packages").glob("*/src"))
     seconds: dict[str, dict[str, list[float]]] = {"tree": {}, "base": {}}
     with tempfile.TemporaryDirectory(prefix="startup-") as root:
-        sources = {"tree": here, "base": export(args.base, Path(root))}
+        # the tree: the packages as installed (editable), as step_cost's head runs them
+        sources = {"tree": [], "base": export(args.base, Path(root))}
         for trial in range(args.trials):
             for source, pythonpath in sources.items():
                 for name, command in COMMANDS.items():
