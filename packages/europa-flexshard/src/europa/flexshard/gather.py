@@ -264,8 +264,10 @@ class GatherUnit:
             work.wait()
         self._replicas_pending = g.replicas > 1
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
+        # Views of this rank's received row where no cast is needed: the shares are disjoint
+        # and the row holds nothing else of worth, so the gradients may alias it.
         return [
-            piece.to(slot.local.dtype, copy=True)
+            piece.to(slot.local.dtype)
             for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
         ]
 
@@ -395,6 +397,8 @@ class GatherUnit:
             self.fulls = self.all_gather()
         for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
             mark_gathered(full)
+            if full._base is not None:  # the gathered rows: the base of what views them
+                mark_gathered(full._base)
         self._shadow(self.fulls)
         if torch._C._current_graph_task_id() == -1:  # not a forward recomputed in backward
             for unit in self.forward_prefetch:

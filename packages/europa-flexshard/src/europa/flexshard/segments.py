@@ -56,7 +56,9 @@ class UnitSegments:
         return out
 
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
-        """Every parameter in full (new tensors), from the gathered ``[ranks, width]`` rows."""
+        """Every parameter in full, from the gathered ``[ranks, width]`` rows: a view of
+        ``rows`` where one rank owns all its matrices (whole-matrix ownership makes that
+        the common case, and it costs no copy), else a new tensor of the ranks' pieces."""
         fulls = []
         for slot, spec in enumerate(self.specs):
             pieces = [
@@ -66,8 +68,10 @@ class UnitSegments:
             ]
             if not pieces:  # a stack of zero experts
                 fulls.append(rows.new_empty(spec.shape))
-                continue
-            fulls.append(torch.cat(pieces).view(spec.shape))
+            elif len(pieces) == 1:
+                fulls.append(pieces[0].view(spec.shape))
+            else:
+                fulls.append(torch.cat(pieces).view(spec.shape))
         return fulls
 
     def scatter_rows(self, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
