@@ -21,6 +21,18 @@ GPU_TARGETS = {
 }
 
 
+def keep_fastest(kept: dict[str, dict], new: dict[str, dict]) -> None:
+    """Fold one round's results (by configuration) into ``kept``: each configuration keeps
+    its fastest round whole (steps, profile, memory), and every round's tokens/s in
+    ``tokens_per_s_by_round``. On a shared machine a neighbour only ever slows a round, so
+    the fastest is the closest to what the configuration itself costs."""
+    for name, result in new.items():
+        rounds = [*kept.get(name, {}).get("tokens_per_s_by_round", []), result["tokens_per_s"]]
+        if name not in kept or result["tokens_per_s"] > kept[name]["tokens_per_s"]:
+            kept[name] = result
+        kept[name]["tokens_per_s_by_round"] = rounds
+
+
 def _best_europa(configs: list[dict], world: int) -> dict | None:
     ours = [c for c in configs if c["system"] == "europa" and c["ranks"] == world]
     return max(ours, key=lambda c: c["tokens_per_s"], default=None)

@@ -35,7 +35,12 @@ reported (``failed_configs``, and a last line naming it, exit status 1) and the 
 still run.
 
     python benchmarks/e2e.py [--json] [--out DIR] [--steps 6] [--warmup 2] [--quick]
-        [--preset debug] [--device cpu|cuda] [--dtype float32|bfloat16]
+        [--preset debug] [--device cpu|cuda] [--dtype float32|bfloat16] [--rounds 1]
+
+``--rounds N`` runs every configuration N times, the order reversed each round, and keeps
+each configuration's fastest round (every round's tokens/s stays in the JSON): on a shared
+machine two configurations run a few minutes apart can differ by 15 % for the machine's
+sake alone, and a neighbour only ever slows a round.
 
 ``--out DIR`` writes e2e.json, e2e_table.md and e2e_profile_europa.txt (the top 25
 operators by self CPU time of each europa run, rank 0).
@@ -55,7 +60,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _e2e_ranks import europa_runs, matmul_rates, torchtitan_runs
-from _e2e_report import GPU_TARGETS, TARGETS, markdown_table, ratios_and_targets
+from _e2e_report import GPU_TARGETS, TARGETS, keep_fastest, markdown_table, ratios_and_targets
 from _harness import run_ranks
 
 OVERLAP = ("overlap.timeline=false", 'overlap.reshard_after_forward="none"')
@@ -112,7 +117,12 @@ def _parse() -> argparse.Namespace:
     parser.add_argument("--preset", default="debug", help="the model both systems train")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="runs of every configuration, in alternating order; each keeps "
+                        "its fastest")  # fmt: skip
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: expected at least 1")
     if args.quick:
         args.seq_len, args.global_batch = 32, 2
         args.steps = args.warmup = args.profile_steps = 1
@@ -217,9 +227,7 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str, fail
     # One fresh process group per configuration: a trainer that ran earlier in the same
     # processes slowed the next one's steps by up to a third (see run_alone).
     on = {"device": args.device, "preset": args.preset}
-    europa_args = {"overrides": overrides, "root": root, "final_save": args.device == "cpu",
-                   **on, **timing}  # fmt: skip
-    europa = run_alone(europa_runs, world, europa_args, "layouts", layouts, failed)
+    europa_args = {"overrides": overrides, "final_save": args.device == "cpu", **on, **timing}
     # torchtitan's own debugmodel where that is the preset, else europa's [model] as its config
     titan_args = {"overrides": overrides[:3], "europa_shape": args.preset != "debug",
                   "log_every": args.log_every, "data_dir": root,
@@ -232,7 +240,18 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str, fail
         and v.get("device", args.device) == args.device
         and not (v["fp32_experts"] and args.dtype != "float32")
     ]
-    titan = run_alone(torchtitan_runs, world, titan_args, "variants", variants, failed)
+    # Rounds alternate the order (europa's layouts then torchtitan's variants, then all of
+    # it reversed), so no configuration always runs at the same moment of the run.
+    europa, titan = {}, {}
+    for r in range(args.rounds):
+        runs = [
+            (europa_runs, {**europa_args, "root": f"{root}/round-{r}"}, "layouts", layouts,
+             europa),
+            (torchtitan_runs, titan_args, "variants", variants, titan),
+        ]  # fmt: skip
+        for fn, fn_args, key, configurations, kept in runs if r % 2 == 0 else runs[::-1]:
+            ordered = configurations if r % 2 == 0 else configurations[::-1]
+            keep_fastest(kept, run_alone(fn, world, fn_args, key, ordered, failed))
     after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds, args)
     peak = _peak(before, after)
     runs = [("europa", europa), ("torchtitan", titan)]
@@ -302,6 +321,7 @@ def main() -> None:
         "warmup_steps": args.warmup,
         "timed_steps": args.steps,
         "profiled_steps": args.profile_steps,
+        "rounds": args.rounds,
         "log_every": args.log_every,
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,

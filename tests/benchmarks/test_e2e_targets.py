@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from _e2e_report import GPU_TARGETS, ratios_and_targets
+from _e2e_report import GPU_TARGETS, keep_fastest, ratios_and_targets
 
 
 def _run(system: str, config: str, ranks: int, tokens_per_s: float, mfu: float = 0.5):
@@ -65,3 +65,16 @@ def test_the_gpu_run_is_held_to_the_gpu_goals_only():
         "core_over_torchtitan_1_rank": {"value": 1.2, "at_least": 1.10, "met": True},
         "flexshard_over_core_1_rank": {"value": 1190 / 1200, "at_least": 0.98, "met": True},
     }
+
+
+def test_rounds_keep_each_configurations_fastest_round_whole_and_every_rounds_figure():
+    kept: dict[str, dict] = {}
+    keep_fastest(kept, {"core": {"tokens_per_s": 500, "step_s": 2.0},
+                        "ddp": {"tokens_per_s": 700, "step_s": 1.4}})  # fmt: skip
+    keep_fastest(kept, {"core": {"tokens_per_s": 600, "step_s": 1.7},
+                        "ddp": {"tokens_per_s": 650, "step_s": 1.5}})  # fmt: skip
+    keep_fastest(kept, {"core": {"tokens_per_s": 550, "step_s": 1.8}})  # ddp failed here
+    assert kept["core"] == {"tokens_per_s": 600, "step_s": 1.7,
+                            "tokens_per_s_by_round": [500, 600, 550]}  # fmt: skip
+    assert kept["ddp"] == {"tokens_per_s": 700, "step_s": 1.4,
+                           "tokens_per_s_by_round": [700, 650]}  # fmt: skip
