@@ -264,10 +264,11 @@ class GatherUnit:
             work.wait()
         self._replicas_pending = g.replicas > 1
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
-        # Views of this rank's received row where no cast is needed: the shares are disjoint
-        # and the row holds nothing else of worth, so the gradients may alias it.
+        # Views of this rank's received row where no cast is needed and the row is exactly
+        # this rank's shares (no padding kept alive as gradient), else compact copies.
+        copy = not self.segments.fills_row(g.rank)
         return [
-            piece.to(slot.local.dtype)
+            piece.to(slot.local.dtype, copy=copy)
             for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
         ]
 

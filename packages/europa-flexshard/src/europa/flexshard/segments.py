@@ -18,6 +18,9 @@ import torch
 
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec
 
+# The padding of a unit's gathered rows that its parameters may keep alive as views: 1/8.
+MAX_PADDING_SHARE_INVERSE = 8
+
 
 class UnitSegments:
     def __init__(self, plan: OwnershipPlan, names: Sequence[str]) -> None:
@@ -37,6 +40,10 @@ class UnitSegments:
             self.offsets.append(row)
             self.sizes.append(offset)
         self.width = max(self.sizes, default=0)
+        # Rows shorter than the widest are padding; gathered parameters may view the rows
+        # (no copy) only while that keeps at most 1/8 more than the parameters themselves.
+        padding = self.ranks * self.width - sum(self.sizes)
+        self.views_rows = padding * MAX_PADDING_SHARE_INVERSE <= sum(self.sizes)
 
     def local_shape(self, rank: int, slot: int) -> tuple[int, ...]:
         """Rank ``rank``'s storage of parameter ``slot``: ``[owned matrices, *matrix]``."""
@@ -58,7 +65,8 @@ class UnitSegments:
     def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter in full, from the gathered ``[ranks, width]`` rows: a view of
         ``rows`` where one rank owns all its matrices (whole-matrix ownership makes that
-        the common case, and it costs no copy), else a new tensor of the ranks' pieces."""
+        the common case, and it costs no copy) and the rows are little padding
+        (``views_rows``), else a new tensor of the ranks' pieces."""
         fulls = []
         for slot, spec in enumerate(self.specs):
             pieces = [
@@ -68,8 +76,10 @@ class UnitSegments:
             ]
             if not pieces:  # a stack of zero experts
                 fulls.append(rows.new_empty(spec.shape))
-            elif len(pieces) == 1:
+            elif len(pieces) == 1 and self.views_rows:
                 fulls.append(pieces[0].view(spec.shape))
+            elif len(pieces) == 1:
+                fulls.append(pieces[0].view(spec.shape).clone())
             else:
                 fulls.append(torch.cat(pieces).view(spec.shape))
         return fulls
@@ -90,6 +100,10 @@ class UnitSegments:
                 start = self.starts[slot][rank]
                 target.copy_(matrices[start : start + count].reshape(-1))
         return out
+
+    def fills_row(self, rank: int) -> bool:
+        """Rank's segment is as wide as the rows: views of its row waste nothing."""
+        return self.sizes[rank] == self.width
 
     def split(self, rank: int, segment: torch.Tensor) -> list[torch.Tensor]:
         """Views of rank's segment shaped as its local parameters."""
