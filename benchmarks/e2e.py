@@ -244,12 +244,12 @@ def run_world(args: argparse.Namespace, world: int, facts: dict, root: str, fail
     # it reversed), so no configuration always runs at the same moment of the run.
     europa, titan = {}, {}
     for r in range(args.rounds):
-        runs = [
+        systems = [
             (europa_runs, {**europa_args, "root": f"{root}/round-{r}"}, "layouts", layouts,
              europa),
             (torchtitan_runs, titan_args, "variants", variants, titan),
         ]  # fmt: skip
-        for fn, fn_args, key, configurations, kept in runs if r % 2 == 0 else runs[::-1]:
+        for fn, fn_args, key, configurations, kept in systems if r % 2 == 0 else systems[::-1]:
             ordered = configurations if r % 2 == 0 else configurations[::-1]
             keep_fastest(kept, run_alone(fn, world, fn_args, key, ordered, failed))
     after = gemm_peak(world, batch * args.seq_len, facts["matmuls"], gemm_seconds, args)

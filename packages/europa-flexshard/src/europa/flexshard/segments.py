@@ -78,8 +78,6 @@ class UnitSegments:
                 fulls.append(rows.new_empty(spec.shape))
             elif len(pieces) == 1 and self.views_rows:
                 fulls.append(pieces[0].view(spec.shape))
-            elif len(pieces) == 1:
-                fulls.append(pieces[0].view(spec.shape).clone())
             else:
                 fulls.append(torch.cat(pieces).view(spec.shape))
         return fulls
