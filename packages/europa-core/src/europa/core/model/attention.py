@@ -43,39 +43,80 @@ def _diagonal_mask(start: int, end: int, like: torch.Tensor) -> torch.Tensor:
     return mask.masked_fill_(keys > rows, float("-inf"))
 
 
+def _head_major(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Rows start..end of a (B, L, N, H) tensor as a contiguous fp32 (B·N, end - start, H)."""
+    rows = t[:, start:end].transpose(1, 2)
+    out = torch.empty(rows.shape, dtype=torch.float32, device=t.device)
+    return out.copy_(rows).view(-1, end - start, t.size(-1))
+
+
+def _write_rows(dest: torch.Tensor, start: int, end: int, rows: torch.Tensor) -> None:
+    """Write a (B·N, end - start, H) block into rows start..end of a (B, L, N, H) tensor."""
+    batch, _, heads, width = dest.shape
+    dest[:, start:end].copy_(rows.view(batch, heads, end - start, width).transpose(1, 2))
+
+
 class _BlockCausal(torch.autograd.Function):
-    """q, k: (B·N, L, H); v: (B·N, L, Hv). Saves q, k, v and each block's probabilities;
-    backward writes each block's share into whole-size gradients in place (autograd's
-    slicing would build a zero-filled full gradient per block)."""
+    """(B, L, N, H) tensors in and out. Keys and values are copied head-major whole,
+    (B·N, L, H); queries, outputs and their gradients head-major one query block at a
+    time, so every product writes a contiguous tensor of its own (CPU ``bmm`` copies
+    through a temporary into a strided ``out=``, and ``baddbmm_`` into a strided slice
+    falls back to one ``addmm_`` per matrix). Saves each query block, k, v and each
+    block's probabilities."""
 
     @staticmethod
-    def forward(ctx, q, k, v, scale: float, bounds: list[tuple[int, int]]):
-        out = q.new_empty(*q.shape[:2], v.size(-1))
-        probabilities = []
+    def forward(ctx, q_BLNH, k_BLNH, v_BLNH, scale: float, bounds: list[tuple[int, int]]):
+        seq_len = q_BLNH.size(1)
+        k, v = (_head_major(t, 0, seq_len) for t in (k_BLNH, v_BLNH))
+        out_BLNH = torch.empty_like(v_BLNH, memory_format=torch.contiguous_format)
+        queries, probabilities = [], []
         for start, end in bounds:
-            scores = torch.baddbmm(
-                _diagonal_mask(start, end, q), q[:, start:end], k[:, :end].mT, alpha=scale
-            )
+            q = _head_major(q_BLNH, start, end)
+            scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
             probs = scores.softmax(dim=-1)
-            torch.bmm(probs, v[:, :end], out=out[:, start:end])
+            _write_rows(out_BLNH, start, end, torch.bmm(probs, v[:, :end]))
+            queries.append(q)
             probabilities.append(probs)
-        ctx.save_for_backward(q, k, v, *probabilities)
+        ctx.save_for_backward(k, v, *queries, *probabilities)
         ctx.scale, ctx.bounds = scale, bounds
-        return out
+        ctx.dtypes = (q_BLNH.dtype, k_BLNH.dtype, v_BLNH.dtype)
+        ctx.batch_heads = (q_BLNH.size(0), q_BLNH.size(2))
+        return out_BLNH
 
     @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, *probabilities = ctx.saved_tensors
-        grad_q, grad_k, grad_v = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (start, end), probs in zip(ctx.bounds, probabilities, strict=True):
-            grad_block = grad_out[:, start:end]
-            grad_v[:, :end].baddbmm_(probs.mT, grad_block)
+    def backward(ctx, grad_out_BLNH):
+        k, v, *saved = ctx.saved_tensors
+        blocks = len(ctx.bounds)
+        queries, probabilities = saved[:blocks], saved[blocks:]
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        batch, heads = ctx.batch_heads
+        seq_len = k.size(1)
+        grad_q_BLNH = grad_out_BLNH.new_empty((batch, seq_len, heads, queries[0].size(-1)),
+                                              dtype=q_dtype)  # fmt: skip
+        grad_k = grad_v = None
+        # the last block sees every key, so it writes grad_k and grad_v whole (no zero
+        # fill); the earlier ones add their products over a key prefix onto them
+        for (start, end), q, probs in reversed(
+            list(zip(ctx.bounds, queries, probabilities, strict=True))
+        ):
+            grad_block = _head_major(grad_out_BLNH, start, end)
             grad_probs = torch.bmm(grad_block, v[:, :end].mT)
             # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
             grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-            torch.bmm(grad_scores, k[:, :end], out=grad_q[:, start:end])
-            grad_k[:, :end].baddbmm_(grad_scores.mT, q[:, start:end], alpha=ctx.scale)
-        return grad_q.mul_(ctx.scale), grad_k, grad_v, None, None
+            grad_q = torch.bmm(grad_scores, k[:, :end]).mul_(ctx.scale)
+            _write_rows(grad_q_BLNH, start, end, grad_q)
+            if grad_k is None:
+                grad_v = torch.bmm(probs.mT, grad_block)
+                grad_k = torch.bmm(grad_scores.mT, q)
+            else:
+                grad_v[:, :end].add_(torch.bmm(probs.mT, grad_block))
+                grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q))
+
+        def by_sequence(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+            return t.view(batch, heads, seq_len, -1).transpose(1, 2).to(dtype)
+
+        grad_k = by_sequence(grad_k.mul_(ctx.scale), k_dtype)
+        return grad_q_BLNH, grad_k, by_sequence(grad_v, v_dtype), None, None
 
 
 class BlockCausalAttention(Module):
@@ -100,13 +141,8 @@ class BlockCausalAttention(Module):
     ) -> torch.Tensor:
         if attention_masks is not None or not is_causal:
             raise ValueError("BlockCausalAttention computes plain causal attention only")
-        batch, seq_len, heads, _ = q_BLNH.shape
         scale = q_BLNH.size(-1) ** -0.5 if scale is None else scale
-
-        def by_head(t: torch.Tensor) -> torch.Tensor:  # (B·N, L, H), contiguous
-            return t.transpose(1, 2).reshape(batch * heads, seq_len, t.size(-1)).contiguous()
-
         # fp32 arithmetic whatever the compute dtype, as SDPA's CPU path does
-        q, k, v = (by_head(t).float() for t in (q_BLNH, k_BLNH, v_BLNH))
-        out = _BlockCausal.apply(q, k, v, scale, chunk_bounds(seq_len, self.chunks))
-        return out.to(v_BLNH.dtype).view(batch, heads, seq_len, -1).transpose(1, 2)
+        return _BlockCausal.apply(
+            q_BLNH, k_BLNH, v_BLNH, scale, chunk_bounds(q_BLNH.size(1), self.chunks)
+        )
