@@ -50,10 +50,15 @@ def _head_major(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return out.copy_(rows).view(-1, end - start, t.size(-1))
 
 
-def _write_rows(dest: torch.Tensor, start: int, end: int, rows: torch.Tensor) -> None:
-    """Write a (B·N, end - start, H) block into rows start..end of a (B, L, N, H) tensor."""
-    batch, _, heads, width = dest.shape
-    dest[:, start:end].copy_(rows.view(batch, heads, end - start, width).transpose(1, 2))
+def _sequence_major(t: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
+    """A head-major (B·N, rows, H) tensor viewed as (B, rows, N, H): _head_major's inverse."""
+    return t.view(batch, heads, t.size(1), t.size(2)).transpose(1, 2)
+
+
+def _write_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
+    """Write a head-major (B·N, n, H) block into rows start..start + n of a (B, L, N, H) tensor."""
+    batch, _, heads, _ = dest.shape
+    dest[:, start : start + rows.size(1)].copy_(_sequence_major(rows, batch, heads))
 
 
 class _BlockCausal(torch.autograd.Function):
@@ -74,13 +79,12 @@ class _BlockCausal(torch.autograd.Function):
             q = _head_major(q_BLNH, start, end)
             scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
             probs = scores.softmax(dim=-1)
-            _write_rows(out_BLNH, start, end, torch.bmm(probs, v[:, :end]))
+            _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :end]))
             queries.append(q)
             probabilities.append(probs)
         ctx.save_for_backward(k, v, *queries, *probabilities)
         ctx.scale, ctx.bounds = scale, bounds
-        ctx.dtypes = (q_BLNH.dtype, k_BLNH.dtype, v_BLNH.dtype)
-        ctx.batch_heads = (q_BLNH.size(0), q_BLNH.size(2))
+        ctx.dtypes = (q_BLNH.dtype, k_BLNH.dtype)
         return out_BLNH
 
     @staticmethod
@@ -88,11 +92,11 @@ class _BlockCausal(torch.autograd.Function):
         k, v, *saved = ctx.saved_tensors
         blocks = len(ctx.bounds)
         queries, probabilities = saved[:blocks], saved[blocks:]
-        q_dtype, k_dtype, v_dtype = ctx.dtypes
-        batch, heads = ctx.batch_heads
-        seq_len = k.size(1)
-        grad_q_BLNH = grad_out_BLNH.new_empty((batch, seq_len, heads, queries[0].size(-1)),
-                                              dtype=q_dtype)  # fmt: skip
+        q_dtype, k_dtype = ctx.dtypes
+        batch, seq_len, heads, _ = grad_out_BLNH.shape
+        grad_q_BLNH = grad_out_BLNH.new_empty(
+            (batch, seq_len, heads, queries[0].size(-1)), dtype=q_dtype
+        )
         grad_k = grad_v = None
         # the last block sees every key, so it writes grad_k and grad_v whole (no zero
         # fill); the earlier ones add their products over a key prefix onto them
@@ -104,19 +108,16 @@ class _BlockCausal(torch.autograd.Function):
             # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
             grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
             grad_q = torch.bmm(grad_scores, k[:, :end]).mul_(ctx.scale)
-            _write_rows(grad_q_BLNH, start, end, grad_q)
+            _write_rows(grad_q_BLNH, start, grad_q)
             if grad_k is None:
                 grad_v = torch.bmm(probs.mT, grad_block)
                 grad_k = torch.bmm(grad_scores.mT, q)
             else:
                 grad_v[:, :end].add_(torch.bmm(probs.mT, grad_block))
                 grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q))
-
-        def by_sequence(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-            return t.view(batch, heads, seq_len, -1).transpose(1, 2).to(dtype)
-
-        grad_k = by_sequence(grad_k.mul_(ctx.scale), k_dtype)
-        return grad_q_BLNH, grad_k, by_sequence(grad_v, v_dtype), None, None
+        grad_k = _sequence_major(grad_k.mul_(ctx.scale), batch, heads).to(k_dtype)
+        grad_v = _sequence_major(grad_v, batch, heads).to(grad_out_BLNH.dtype)
+        return grad_q_BLNH, grad_k, grad_v, None, None
 
 
 class BlockCausalAttention(Module):
