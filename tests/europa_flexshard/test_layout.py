@@ -85,6 +85,7 @@ def _sums_in_backward(rank: int, world: int) -> dict:
 
     from europa.flexshard.errors import PlanError
     from europa.flexshard.experts import ExpertParallel
+    from europa.spec.tags import is_reduce_scatter
 
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -92,10 +93,12 @@ def _sums_in_backward(rank: int, world: int) -> dict:
     mine = _tokens()[rank : rank + 1]
     micro = (mine[:, : SEQ // 2 + 1], mine[:, SEQ // 2 :])  # two halves of its sequence
     out = {}
-    original, calls, phase = dist.all_reduce, [], ["setup"]
+    original, calls, scatters, phase = dist.all_reduce, [], [], ["setup"]
 
     def counted(*args, **kwargs):
-        calls.append(phase[0])
+        # gloo's reduce-scatters are in-place all-reduces, tagged: counted on their own
+        tensor = args[0] if args else kwargs["tensor"]
+        (scatters if is_reduce_scatter(tensor) else calls).append(phase[0])
         return original(*args, **kwargs)
 
     for in_backward in (0, 2):
@@ -103,6 +106,7 @@ def _sums_in_backward(rank: int, world: int) -> dict:
         model, layout, _ = _laid_out_model(experts, group=shard, replicate_group=replicate)
         layout.sum_copies_in_backward(in_backward)
         calls.clear()
+        scatters.clear()
         dist.all_reduce = counted
         try:
             for phase[0], tokens in zip(("first backward", "last backward"), micro, strict=True):
@@ -120,7 +124,8 @@ def _sums_in_backward(rank: int, world: int) -> dict:
                 except PlanError as error:
                     refused = str(error)
                     break
-        out[in_backward] = {"grads": grads, "all_reduces": list(calls), "refused": refused}
+        out[in_backward] = {"grads": grads, "all_reduces": list(calls),
+                            "reduce_scatters": list(scatters), "refused": refused}  # fmt: skip
     return out
 
 
@@ -231,6 +236,8 @@ def test_once_a_step_sums_in_the_last_backward_equal_the_sums_after_it(spawned):
             assert torch.equal(inside["grads"][name], grad), (rank, name)
         assert set(after["all_reduces"]) == {"finish_gradients"}
         assert set(inside["all_reduces"]) == {"last backward"}
+        for sums in (after, inside):  # each backward reduce-scatters its own gradients
+            assert set(sums["reduce_scatters"]) == {"first backward", "last backward"}
         assert len(inside["all_reduces"]) > len(after["all_reduces"])  # one per unit, expert
         assert inside["refused"].startswith("sum_copies_in_backward = 2: a backward beyond it")
 

@@ -15,7 +15,8 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   place, so what autograd saved is valid, and the shadows return, so a
   recomputed forward (activation checkpointing) sees whole weights too;
 * backward of the autograd function: the full gradients are reduce-scattered
-  to their owners (averaged over the data-parallel ranks), the shadows go and
+  to their owners (averaged over the data-parallel ranks; on gloo, which has no
+  reduce-scatter, an all-reduce of the packed rows in place), the shadows go and
   the storage is freed. With replicas (the same share held elsewhere: HSDP-style
   copies, or the other nodes' copies of a node-wide layout) the owners' gradients
   are all-reduced over them once per optimizer step, not once per backward: in
@@ -63,7 +64,7 @@ from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
-from europa.spec.tags import mark_gathered
+from europa.spec.tags import mark_gathered, mark_reduce_scatter
 
 
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
@@ -74,6 +75,14 @@ def all_gather(*args, **kwargs):
 
 def reduce_scatter(*args, **kwargs):
     return dist.reduce_scatter_single(*args, **kwargs)
+
+
+def sums_rows_in_place(group) -> bool:
+    """Gloo has no reduce-scatter of its own: it clones the input and all-reduces the
+    clone. An all-reduce of the rows themselves moves the same bytes without the clone
+    (a fresh copy of the unit's whole gradient, ~3x a warm copy's time on CPU once it is
+    past malloc's 32 MB mmap threshold)."""
+    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 @dataclass
@@ -253,6 +262,11 @@ class GatherUnit:
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
             return rows, rows[0], None
+        if sums_rows_in_place(g.shard):
+            mark_reduce_scatter(rows)  # so europa-overlap's timeline files it as one
+            work = dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=g.shard,
+                                   async_op=async_op)  # fmt: skip
+            return rows, rows[g.rank], work
         mine = rows.new_empty(segments.width)
         work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
                               async_op=async_op)  # fmt: skip
@@ -265,8 +279,9 @@ class GatherUnit:
         self._replicas_pending = g.replicas > 1
         mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
         # Views of this rank's received row where no cast is needed and the row is exactly
-        # this rank's shares (no padding kept alive as gradient), else compact copies.
-        copy = not self.segments.fills_row(g.rank)
+        # this rank's shares (no padding, and no other rank's row, kept alive as gradient),
+        # else compact copies.
+        copy = not self.segments.fills_row(g.rank) or (mine._base is rows and g.size > 1)
         return [
             piece.to(slot.local.dtype, copy=copy)
             for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)

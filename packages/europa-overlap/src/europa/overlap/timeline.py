@@ -46,6 +46,8 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from europa.spec.tags import is_reduce_scatter
+
 # Collective entry points of torch.distributed -> the planner's kind of traffic.
 ENTRY_POINTS = {
     "all_gather_single": "parameter_gather",
@@ -253,20 +255,29 @@ def _wrap(name: str, original: Callable) -> Callable:
         timeline = _ACTIVE[-1] if _ACTIVE else None
         if timeline is None or getattr(_NESTED, "depth", 0) or not timeline._recording():
             return original(*args, **kwargs)
-        asynchronous = signature.bind_partial(*args, **kwargs).arguments.get("async_op", False)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        asynchronous = bound.get("async_op", False)
         _NESTED.depth = 1
         started = time.perf_counter()
         try:
             work = original(*args, **kwargs)
         finally:
             _NESTED.depth = 0
-        record = _Record(timeline, kind, started)
+        record = _Record(timeline, _kind_of(kind, bound), started)
         if asynchronous and work is not None:
             return _TimedWork(work, record)
         record.waited(started, time.perf_counter())
         return work
 
     return timed
+
+
+def _kind_of(kind: str, bound: dict[str, Any]) -> str:
+    """An all-reduce of a buffer tagged as a reduce-scatter (europa-flexshard's, on a
+    backend without one) is filed as the reduce-scatter it stands for."""
+    if kind == "all_reduce" and is_reduce_scatter(bound.get("tensor")):
+        return "gradient_reduce_scatter"
+    return kind
 
 
 def _install() -> None:

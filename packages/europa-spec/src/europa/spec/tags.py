@@ -14,3 +14,16 @@ def mark_gathered(tensor) -> None:
 
 def is_gathered(tensor) -> bool:
     return getattr(tensor, GATHERED_PARAMETER, False) is True
+
+
+# A gradient buffer all-reduced in place as a reduce-scatter (europa-flexshard on gloo, which
+# has no reduce-scatter of its own): europa-overlap's timeline files it as one.
+REDUCE_SCATTER = "europa_reduce_scatter"
+
+
+def mark_reduce_scatter(tensor) -> None:
+    setattr(tensor, REDUCE_SCATTER, True)
+
+
+def is_reduce_scatter(tensor) -> bool:
+    return getattr(tensor, REDUCE_SCATTER, False) is True
