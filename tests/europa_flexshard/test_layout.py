@@ -85,7 +85,7 @@ def _sums_in_backward(rank: int, world: int) -> dict:
 
     from europa.flexshard.errors import PlanError
     from europa.flexshard.experts import ExpertParallel
-    from europa.spec.tags import is_reduce_scatter
+    from europa.spec.tags import traffic_kind
 
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -93,13 +93,17 @@ def _sums_in_backward(rank: int, world: int) -> dict:
     mine = _tokens()[rank : rank + 1]
     micro = (mine[:, : SEQ // 2 + 1], mine[:, SEQ // 2 :])  # two halves of its sequence
     out = {}
-    original, calls, scatters, phase = dist.all_reduce, [], [], ["setup"]
+    original, original_send, calls, scatters, phase = dist.all_reduce, dist.isend, [], [], ["setup"]
 
     def counted(*args, **kwargs):
-        # gloo's reduce-scatters are in-place all-reduces, tagged: counted on their own
-        tensor = args[0] if args else kwargs["tensor"]
-        (scatters if is_reduce_scatter(tensor) else calls).append(phase[0])
+        calls.append(phase[0])
         return original(*args, **kwargs)
+
+    def counted_send(tensor, *args, **kwargs):
+        # gloo's reduce-scatters are direct transfers, tagged as what they stand for
+        if traffic_kind(tensor) == "gradient_reduce_scatter":
+            scatters.append(phase[0])
+        return original_send(tensor, *args, **kwargs)
 
     for in_backward in (0, 2):
         experts = ExpertParallel(group=shard, copies=replicate, data_parallel_size=world)
@@ -107,14 +111,14 @@ def _sums_in_backward(rank: int, world: int) -> dict:
         layout.sum_copies_in_backward(in_backward)
         calls.clear()
         scatters.clear()
-        dist.all_reduce = counted
+        dist.all_reduce, dist.isend = counted, counted_send
         try:
             for phase[0], tokens in zip(("first backward", "last backward"), micro, strict=True):
                 (_loss(model, tokens) / 2).backward()
             phase[0] = "finish_gradients"
             layout.finish_gradients()
         finally:
-            dist.all_reduce = original
+            dist.all_reduce, dist.isend = original, original_send
         grads = {n: p.grad.clone() for n, p in layout.named_local_parameters()}
         refused = ""
         if in_backward:

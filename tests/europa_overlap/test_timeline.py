@@ -52,15 +52,17 @@ def test_reshard_policies(policy):
     assert [reshards(policy, i, 3) for i in range(3)] == expected[policy]
 
 
-def test_an_all_reduce_standing_for_a_reduce_scatter_is_filed_as_one():
+def test_a_transfer_standing_for_a_collective_is_filed_as_one():
     import torch
 
     from europa.overlap.timeline import _kind_of
-    from europa.spec.tags import mark_reduce_scatter
+    from europa.spec.tags import mark_traffic
 
     rows = torch.zeros(2, 3)
     assert _kind_of("all_reduce", {"tensor": rows}) == "all_reduce"
-    mark_reduce_scatter(rows)
+    assert _kind_of(None, {"tensor": rows}) is None  # an untagged isend/irecv is not filed
+    mark_traffic(rows, "gradient_reduce_scatter")
+    assert _kind_of(None, {"tensor": rows}) == "gradient_reduce_scatter"
     assert _kind_of("all_reduce", {"tensor": rows}) == "gradient_reduce_scatter"
     assert _kind_of("parameter_gather", {"tensor": rows}) == "parameter_gather"
     assert _kind_of("all_reduce", {}) == "all_reduce"

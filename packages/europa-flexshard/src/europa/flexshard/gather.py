@@ -15,8 +15,8 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   place, so what autograd saved is valid, and the shadows return, so a
   recomputed forward (activation checkpointing) sees whole weights too;
 * backward of the autograd function: the full gradients are reduce-scattered
-  to their owners (averaged over the data-parallel ranks; on gloo, which has no
-  reduce-scatter, an all-reduce of the packed rows in place), the shadows go and
+  to their owners (averaged over the data-parallel ranks; on gloo both collectives
+  are direct transfers between ranks, ``europa.flexshard.direct``), the shadows go and
   the storage is freed. With replicas (the same share held elsewhere: HSDP-style
   copies, or the other nodes' copies of a node-wide layout) the owners' gradients
   are all-reduced over them once per optimizer step, not once per backward: in
@@ -62,9 +62,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from europa.flexshard.direct import gather_rows, reduce_scatter_rows, runs_direct
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
-from europa.spec.tags import mark_gathered, mark_reduce_scatter
+from europa.spec.tags import mark_gathered
 
 
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
@@ -75,14 +76,6 @@ def all_gather(*args, **kwargs):
 
 def reduce_scatter(*args, **kwargs):
     return dist.reduce_scatter_single(*args, **kwargs)
-
-
-def sums_rows_in_place(group) -> bool:
-    """Gloo has no reduce-scatter of its own: it clones the input and all-reduces the
-    clone. An all-reduce of the rows themselves moves the same bytes without the clone
-    (a fresh copy of the unit's whole gradient, ~3x a warm copy's time on CPU once it is
-    past malloc's 32 MB mmap threshold)."""
-    return dist.get_backend(group) == dist.Backend.GLOO
 
 
 @dataclass
@@ -210,14 +203,27 @@ class GatherUnit:
             rows, _, work = self._pending
             self._pending = None
             work.wait()
-            return segments.unpack(rows.view(g.size, segments.width))
-        locals_ = [slot.local.detach() for slot in self.slots]
-        send = segments.pack(g.rank, locals_, self._compute_dtype())
+            return segments.unpack(rows)
+        rows, send = self._packed_rows()
         if g.size == 1:
-            return segments.unpack(send.view(1, -1))
-        rows = send.new_empty(g.size * segments.width)
-        all_gather(rows, send, group=g.shard)
-        return segments.unpack(rows.view(g.size, segments.width))
+            return segments.unpack(rows)
+        if runs_direct(g.shard):
+            gather_rows(rows, g.rank, g.shard)
+        else:
+            all_gather(rows.view(-1), send, group=g.shard)
+        return segments.unpack(rows)
+
+    def _packed_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[ranks, width]`` rows to gather into and this rank's packed segment: its own
+        row where nothing else gathers (one rank, or gloo's direct transfers, which send
+        from the row itself: ``europa.flexshard.direct``), else a buffer of its own."""
+        g, segments = self.groups, self.segments
+        locals_ = [slot.local.detach() for slot in self.slots]
+        dtype, device = self._compute_dtype(), locals_[0].device
+        rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
+        own_row = g.size == 1 or runs_direct(g.shard)
+        send = segments.pack(g.rank, locals_, dtype, out=rows[g.rank] if own_row else None)
+        return rows, send
 
     # -- prefetch ---------------------------------------------------------------------------
 
@@ -238,10 +244,11 @@ class GatherUnit:
         g = self.groups
         if self._pending is not None or g.size == 1:
             return
-        locals_ = [slot.local.detach() for slot in self.slots]
-        send = self.segments.pack(g.rank, locals_, self._compute_dtype())
-        rows = send.new_empty(g.size * self.segments.width)
-        work = all_gather(rows, send, group=g.shard, async_op=True)
+        rows, send = self._packed_rows()
+        if runs_direct(g.shard):
+            work = gather_rows(rows, g.rank, g.shard, async_op=True)
+        else:
+            work = all_gather(rows.view(-1), send, group=g.shard, async_op=True)
         self._pending = (rows, send, work)
 
     def cancel_prefetch(self) -> None:
@@ -262,11 +269,8 @@ class GatherUnit:
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
             return rows, rows[0], None
-        if sums_rows_in_place(g.shard):
-            mark_reduce_scatter(rows)  # so europa-overlap's timeline files it as one
-            work = dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=g.shard,
-                                   async_op=async_op)  # fmt: skip
-            return rows, rows[g.rank], work
+        if runs_direct(g.shard):
+            return rows, rows[g.rank], reduce_scatter_rows(rows, g.rank, g.shard, async_op)
         mine = rows.new_empty(segments.width)
         work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
                               async_op=async_op)  # fmt: skip

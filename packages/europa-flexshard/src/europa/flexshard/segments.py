@@ -49,10 +49,18 @@ class UnitSegments:
         """Rank ``rank``'s storage of parameter ``slot``: ``[owned matrices, *matrix]``."""
         return (self.counts[slot][rank], *self.specs[slot].matrix_shape)
 
-    def pack(self, rank: int, locals_: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
-        """Rank ``rank``'s segment, ``[width]`` in ``dtype``, from its local parameters."""
-        device = locals_[0].device if locals_ else torch.device("cpu")
-        out = torch.empty(self.width, dtype=dtype, device=device)
+    def pack(
+        self,
+        rank: int,
+        locals_: Sequence[torch.Tensor],
+        dtype: torch.dtype,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Rank ``rank``'s segment, ``[width]`` in ``dtype``, from its local parameters
+        (into ``out`` when given)."""
+        if out is None:
+            device = locals_[0].device if locals_ else torch.device("cpu")
+            out = torch.empty(self.width, dtype=dtype, device=device)
         offset = 0
         for local in locals_:
             n = local.numel()

@@ -20,7 +20,9 @@ intervals outside the blocked ones.
 
 How it hooks in: the ``torch.distributed`` entry points the layouts call
 (FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``;
-europa-flexshard and this package look them up at call time as well) are
+europa-flexshard and this package look them up at call time as well, and
+europa-flexshard's point-to-point stand-ins for a gather or reduce-scatter on gloo,
+``dist.isend`` / ``dist.irecv``, are filed by their buffers' tag) are
 replaced by wrappers while a ``Timeline`` is installed; an asynchronous call
 returns a ``Work`` subclass whose ``wait()`` is timed (FSDP2 tests
 ``isinstance(work, Work)``, so a subclass, not a proxy). Functional collectives
@@ -46,9 +48,10 @@ from typing import Any
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from europa.spec.tags import is_reduce_scatter
+from europa.spec.tags import traffic_kind
 
-# Collective entry points of torch.distributed -> the planner's kind of traffic.
+# Collective entry points of torch.distributed -> the planner's kind of traffic (None: only
+# a transfer tagged with the collective it stands for is recorded, as that kind).
 ENTRY_POINTS = {
     "all_gather_single": "parameter_gather",
     "all_gather_into_tensor": "parameter_gather",
@@ -56,6 +59,8 @@ ENTRY_POINTS = {
     "reduce_scatter_tensor": "gradient_reduce_scatter",
     "all_to_all_single": "expert_all_to_all",
     "all_reduce": "all_reduce",
+    "isend": None,
+    "irecv": None,
 }
 FUNCTIONAL_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd")
 TIMELINE_DIR = "overlap"  # under a run directory
@@ -256,14 +261,17 @@ def _wrap(name: str, original: Callable) -> Callable:
         if timeline is None or getattr(_NESTED, "depth", 0) or not timeline._recording():
             return original(*args, **kwargs)
         bound = signature.bind_partial(*args, **kwargs).arguments
-        asynchronous = bound.get("async_op", False)
+        filed_as = _kind_of(kind, bound)
+        if filed_as is None:
+            return original(*args, **kwargs)
+        asynchronous = bound.get("async_op", kind is None)  # isend and irecv always are
         _NESTED.depth = 1
         started = time.perf_counter()
         try:
             work = original(*args, **kwargs)
         finally:
             _NESTED.depth = 0
-        record = _Record(timeline, _kind_of(kind, bound), started)
+        record = _Record(timeline, filed_as, started)
         if asynchronous and work is not None:
             return _TimedWork(work, record)
         record.waited(started, time.perf_counter())
@@ -272,11 +280,12 @@ def _wrap(name: str, original: Callable) -> Callable:
     return timed
 
 
-def _kind_of(kind: str, bound: dict[str, Any]) -> str:
-    """An all-reduce of a buffer tagged as a reduce-scatter (europa-flexshard's, on a
-    backend without one) is filed as the reduce-scatter it stands for."""
-    if kind == "all_reduce" and is_reduce_scatter(bound.get("tensor")):
-        return "gradient_reduce_scatter"
+def _kind_of(kind: str | None, bound: dict[str, Any]) -> str | None:
+    """A transfer or an all-reduce of a buffer tagged with the collective it stands for
+    (europa-flexshard's, on gloo) is filed as that collective; an untagged transfer
+    (``kind`` None) is not filed."""
+    if kind in (None, "all_reduce"):
+        return traffic_kind(bound.get("tensor")) or kind
     return kind
 
 

@@ -16,14 +16,16 @@ def is_gathered(tensor) -> bool:
     return getattr(tensor, GATHERED_PARAMETER, False) is True
 
 
-# A gradient buffer all-reduced in place as a reduce-scatter (europa-flexshard on gloo, which
-# has no reduce-scatter of its own): europa-overlap's timeline files it as one.
-REDUCE_SCATTER = "europa_reduce_scatter"
+# A buffer a layout moves in place of a collective it stands for (europa-flexshard's
+# point-to-point gather and reduce-scatter on gloo): the planner's kind of that traffic
+# ("parameter_gather", "gradient_reduce_scatter"), which europa-overlap's timeline files it as.
+TRAFFIC = "europa_traffic"
 
 
-def mark_reduce_scatter(tensor) -> None:
-    setattr(tensor, REDUCE_SCATTER, True)
+def mark_traffic(tensor, kind: str) -> None:
+    setattr(tensor, TRAFFIC, kind)
 
 
-def is_reduce_scatter(tensor) -> bool:
-    return getattr(tensor, REDUCE_SCATTER, False) is True
+def traffic_kind(tensor) -> str | None:
+    kind = getattr(tensor, TRAFFIC, None)
+    return kind if isinstance(kind, str) else None
