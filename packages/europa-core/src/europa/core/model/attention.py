@@ -14,7 +14,8 @@ compute dtype (as SDPA's CPU path). Forward and backward are written out
 a zero-filled whole-size gradient per block.
 
 Same interface as torchtitan's ``ScaledDotProductAttention``: (B, L, N, H)
-tensors in and out, causal only.
+tensors in and out, causal only; and ``mla``, the same attention from MLA's parts
+before they are concatenated (``europa.core.model.mla``).
 """
 
 from __future__ import annotations
@@ -61,6 +62,42 @@ def _write_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     dest[:, start : start + rows.size(1)].copy_(_sequence_major(rows, batch, heads))
 
 
+def _attend(k, v, query_block, out_BLNH, scale: float, bounds):
+    """Forward over the query blocks: ``query_block(start, end)`` gives block rows
+    start..end head-major (B·N, end - start, H) in fp32; each block's output is written
+    into ``out_BLNH``. Returns the blocks' queries and probabilities (saved for backward)."""
+    queries, probabilities = [], []
+    for start, end in bounds:
+        q = query_block(start, end)
+        scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
+        probs = scores.softmax(dim=-1)
+        _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :end]))
+        queries.append(q)
+        probabilities.append(probs)
+    return queries, probabilities
+
+
+def _attend_backward(k, v, queries, probabilities, grad_out_BLNH, write_grad_q, scale, bounds):
+    """Backward over the query blocks, last first: each block's query gradient (head-major,
+    scaled) goes to ``write_grad_q(start, grad_q)``; returns the head-major key (scaled) and
+    value gradients. The last block sees every key, so it writes them whole (no zero fill);
+    the earlier ones add their products over a key prefix onto them."""
+    grad_k = grad_v = None
+    for (start, end), q, probs in reversed(list(zip(bounds, queries, probabilities, strict=True))):
+        grad_block = _head_major(grad_out_BLNH, start, end)
+        grad_probs = torch.bmm(grad_block, v[:, :end].mT)
+        # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
+        grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
+        write_grad_q(start, torch.bmm(grad_scores, k[:, :end]).mul_(scale))
+        if grad_k is None:
+            grad_v = torch.bmm(probs.mT, grad_block)
+            grad_k = torch.bmm(grad_scores.mT, q)
+        else:
+            grad_v[:, :end].add_(torch.bmm(probs.mT, grad_block))
+            grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q))
+    return grad_k.mul_(scale), grad_v
+
+
 class _BlockCausal(torch.autograd.Function):
     """(B, L, N, H) tensors in and out. Keys and values are copied head-major whole,
     (B·N, L, H); queries, outputs and their gradients head-major one query block at a
@@ -74,14 +111,9 @@ class _BlockCausal(torch.autograd.Function):
         seq_len = q_BLNH.size(1)
         k, v = (_head_major(t, 0, seq_len) for t in (k_BLNH, v_BLNH))
         out_BLNH = torch.empty_like(v_BLNH, memory_format=torch.contiguous_format)
-        queries, probabilities = [], []
-        for start, end in bounds:
-            q = _head_major(q_BLNH, start, end)
-            scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
-            probs = scores.softmax(dim=-1)
-            _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :end]))
-            queries.append(q)
-            probabilities.append(probs)
+        queries, probabilities = _attend(
+            k, v, lambda start, end: _head_major(q_BLNH, start, end), out_BLNH, scale, bounds
+        )
         ctx.save_for_backward(k, v, *queries, *probabilities)
         ctx.scale, ctx.bounds = scale, bounds
         ctx.dtypes = (q_BLNH.dtype, k_BLNH.dtype)
@@ -91,33 +123,93 @@ class _BlockCausal(torch.autograd.Function):
     def backward(ctx, grad_out_BLNH):
         k, v, *saved = ctx.saved_tensors
         blocks = len(ctx.bounds)
-        queries, probabilities = saved[:blocks], saved[blocks:]
         q_dtype, k_dtype = ctx.dtypes
         batch, seq_len, heads, _ = grad_out_BLNH.shape
-        grad_q_BLNH = grad_out_BLNH.new_empty(
-            (batch, seq_len, heads, queries[0].size(-1)), dtype=q_dtype
-        )
-        grad_k = grad_v = None
-        # the last block sees every key, so it writes grad_k and grad_v whole (no zero
-        # fill); the earlier ones add their products over a key prefix onto them
-        for (start, end), q, probs in reversed(
-            list(zip(ctx.bounds, queries, probabilities, strict=True))
-        ):
-            grad_block = _head_major(grad_out_BLNH, start, end)
-            grad_probs = torch.bmm(grad_block, v[:, :end].mT)
-            # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
-            grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-            grad_q = torch.bmm(grad_scores, k[:, :end]).mul_(ctx.scale)
-            _write_rows(grad_q_BLNH, start, grad_q)
-            if grad_k is None:
-                grad_v = torch.bmm(probs.mT, grad_block)
-                grad_k = torch.bmm(grad_scores.mT, q)
-            else:
-                grad_v[:, :end].add_(torch.bmm(probs.mT, grad_block))
-                grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q))
-        grad_k = _sequence_major(grad_k.mul_(ctx.scale), batch, heads).to(k_dtype)
+        grad_q_BLNH = grad_out_BLNH.new_empty((batch, seq_len, heads, k.size(-1)), dtype=q_dtype)
+        grad_k, grad_v = _attend_backward(
+            k, v, saved[:blocks], saved[blocks:], grad_out_BLNH,
+            lambda start, grad_q: _write_rows(grad_q_BLNH, start, grad_q), ctx.scale, ctx.bounds,
+        )  # fmt: skip
+        grad_k = _sequence_major(grad_k, batch, heads).to(k_dtype)
         grad_v = _sequence_major(grad_v, batch, heads).to(grad_out_BLNH.dtype)
         return grad_q_BLNH, grad_k, grad_v, None, None
+
+
+def rotate(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., R) rotated by the complex ``rope_cache`` (..., R/2, broadcast), in fp32
+    and back to x's dtype: torchtitan's ``ComplexRoPE.apply_rotary_emb``, the same ops."""
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rope_cache).flatten(-2).type_as(x)
+
+
+class _BlockCausalMLA(torch.autograd.Function):
+    """MLA's attention without its concatenations: q (B, L, N, nope + R) straight from its
+    projection (the last R columns not yet rotated), kv (B, L, N, nope + Dv) from wkv_b
+    (keys' first ``nope`` columns, then the values), k_pe (B, L, 1, R) rotated and shared
+    by every head, and the complex ``rope_cache`` (1, L, 1, R/2). The head-major copies
+    _BlockCausal makes anyway are built from these parts (the query's rotation applied on
+    the way), and the gradients are written whole into q's and kv's shapes, so neither the
+    forward's two concatenations (q and k) nor the backward's concatenation of q's
+    gradient exist. Same saved tensors and the same arithmetic as torchtitan's MLA
+    followed by _BlockCausal."""
+
+    @staticmethod
+    def forward(ctx, q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope: int, scale: float, bounds):
+        batch, seq_len, heads, _ = kv_BLNF.shape
+        rope = k_pe_BL1R.size(-1)
+        k = torch.empty(batch, heads, seq_len, nope + rope, dtype=torch.float32,
+                        device=kv_BLNF.device)  # fmt: skip
+        k[..., :nope].copy_(kv_BLNF[..., :nope].transpose(1, 2))
+        k[..., nope:].copy_(k_pe_BL1R.transpose(1, 2).expand(batch, heads, seq_len, rope))
+        k = k.view(batch * heads, seq_len, nope + rope)
+        v = _head_major(kv_BLNF[..., nope:], 0, seq_len)
+        out_BLNH = kv_BLNF.new_empty(batch, seq_len, heads, v.size(-1))
+
+        def query_block(start: int, end: int) -> torch.Tensor:
+            rows = q_BLNQ[:, start:end]
+            block = torch.empty(batch, heads, end - start, q_BLNQ.size(-1), dtype=torch.float32,
+                                device=q_BLNQ.device)  # fmt: skip
+            block[..., :nope].copy_(rows[..., :nope].transpose(1, 2))
+            block[..., nope:].copy_(
+                rotate(rows[..., nope:], rope_cache[:, start:end]).transpose(1, 2)
+            )
+            return block.view(batch * heads, end - start, -1)
+
+        queries, probabilities = _attend(k, v, query_block, out_BLNH, scale, bounds)
+        ctx.save_for_backward(k, v, rope_cache, *queries, *probabilities)
+        ctx.scale, ctx.bounds, ctx.nope = scale, bounds, nope
+        ctx.dtypes = (q_BLNQ.dtype, kv_BLNF.dtype, k_pe_BL1R.dtype)
+        return out_BLNH
+
+    @staticmethod
+    def backward(ctx, grad_out_BLNH):
+        k, v, rope_cache, *saved = ctx.saved_tensors
+        blocks, nope = len(ctx.bounds), ctx.nope
+        q_dtype, kv_dtype, k_pe_dtype = ctx.dtypes
+        batch, seq_len, heads, _ = grad_out_BLNH.shape
+        grad_q = grad_out_BLNH.new_empty((batch, seq_len, heads, k.size(-1)), dtype=q_dtype)
+        unrotation = rope_cache.conj()
+
+        def write_grad_q(start: int, block: torch.Tensor) -> None:
+            rows = _sequence_major(block, batch, heads)
+            end = start + rows.size(1)
+            grad_q[:, start:end, :, :nope].copy_(rows[..., :nope])
+            # the rotation's gradient, as autograd takes it: times the conjugate, in fp32
+            pe = rows[..., nope:].to(q_dtype)
+            grad_q[:, start:end, :, nope:].copy_(rotate(pe, unrotation[:, start:end]))
+
+        grad_k, grad_v = _attend_backward(
+            k, v, saved[:blocks], saved[blocks:], grad_out_BLNH, write_grad_q, ctx.scale,
+            ctx.bounds,
+        )  # fmt: skip
+        grad_k = _sequence_major(grad_k, batch, heads)
+        grad_kv = grad_out_BLNH.new_empty(
+            (batch, seq_len, heads, nope + grad_v.size(-1)), dtype=kv_dtype
+        )
+        grad_kv[..., :nope].copy_(grad_k[..., :nope])
+        grad_kv[..., nope:].copy_(_sequence_major(grad_v, batch, heads))
+        grad_k_pe = grad_k[..., nope:].to(k_pe_dtype).sum(dim=2, keepdim=True)
+        return grad_q, grad_kv, grad_k_pe, None, None, None, None
 
 
 class BlockCausalAttention(Module):
@@ -147,3 +239,19 @@ class BlockCausalAttention(Module):
         return _BlockCausal.apply(
             q_BLNH, k_BLNH, v_BLNH, scale, chunk_bounds(q_BLNH.size(1), self.chunks)
         )
+
+    def mla(
+        self,
+        q_BLNQ: torch.Tensor,
+        kv_BLNF: torch.Tensor,
+        k_pe_BL1R: torch.Tensor,
+        rope_cache: torch.Tensor,
+        *,
+        nope: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """Causal MLA attention from its parts (``_BlockCausalMLA``): q with its last R
+        columns not yet rotated by ``rope_cache``, kv as wkv_b gives it (``nope`` key
+        columns, then the values), k_pe rotated and shared by the heads."""
+        bounds = chunk_bounds(q_BLNQ.size(1), self.chunks)
+        return _BlockCausalMLA.apply(q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds)

@@ -6,7 +6,8 @@ swap two leaves for CPU training: causal attention without FlexAttention
 (which has no CPU backward), and, for fp32 runs, routed experts that do not
 cast to bf16. The attention is SDPA (``attention="sdpa"``: fused kernels on
 CUDA) or ``BlockCausalAttention`` (``"block_causal"``: what CPU runs use, as
-SDPA's CPU path for MLA computes the masked half of the scores too).
+SDPA's CPU path for MLA computes the masked half of the scores too), whose MLA
+module (``BlockCausalMLA``) hands it q and k in parts rather than concatenated.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from europa.core.config.schema import ModelConfig
 from europa.core.model import init
 from europa.core.model.attention import BlockCausalAttention
 from europa.core.model.experts import NativeDtypeGroupedExperts
+from europa.core.model.mla import BlockCausalMLA
 
 
 def _rope(m: ModelConfig) -> ComplexRoPE.Config:
@@ -47,6 +49,11 @@ def _inner_attention(kind: str):
     if kind == "block_causal":
         return BlockCausalAttention.Config()
     raise ValueError(f"attention = {kind!r}: expected one of {', '.join(ATTENTION_KINDS)}")
+
+
+def _as_config(subclass_config, config):
+    """``config``'s fields in a subclass's Config, which builds the subclass."""
+    return subclass_config(**{f.name: getattr(config, f.name) for f in dataclasses.fields(config)})
 
 
 def model_spec(
@@ -86,6 +93,8 @@ def model_spec(
     )
     for layer in layers:
         layer.attention.inner_attention = _inner_attention(attention)
+        if attention == "block_causal":
+            layer.attention = _as_config(BlockCausalMLA.Config, layer.attention)
         for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.kv_norm):
             norm.eps = m.norm_eps
         if layer.attention.q_norm is not None:
@@ -96,9 +105,8 @@ def model_spec(
         if m.num_shared_experts == 0:
             layer.moe.shared_experts = None
         if native_dtype_experts:
-            inner = layer.moe.routed_experts.inner_experts
-            layer.moe.routed_experts.inner_experts = NativeDtypeGroupedExperts.Config(
-                **{f.name: getattr(inner, f.name) for f in dataclasses.fields(inner)}
+            layer.moe.routed_experts.inner_experts = _as_config(
+                NativeDtypeGroupedExperts.Config, layer.moe.routed_experts.inner_experts
             )
     return DeepSeekV3Model.Config(
         vocab_size=m.vocab_size,
