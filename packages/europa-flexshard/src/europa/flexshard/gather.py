@@ -198,32 +198,34 @@ class GatherUnit:
     def all_gather(self) -> list[torch.Tensor]:
         """Every parameter of the unit in full, as new tensors in the compute dtype
         (from the prefetched all-gather when one is in flight)."""
-        g, segments = self.groups, self.segments
+        segments = self.segments
         if self._pending is not None:
             rows, _, work = self._pending
             self._pending = None
             work.wait()
             return segments.unpack(rows)
-        rows, send = self._packed_rows()
-        if g.size == 1:
-            return segments.unpack(rows)
-        if runs_direct(g.shard):
-            gather_rows(rows, g.rank, g.shard)
-        else:
-            all_gather(rows.view(-1), send, group=g.shard)
+        rows, _, _ = self._issue_gather(async_op=False)
         return segments.unpack(rows)
 
-    def _packed_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[ranks, width]`` rows to gather into and this rank's packed segment: its own
-        row where nothing else gathers (one rank, or gloo's direct transfers, which send
-        from the row itself: ``europa.flexshard.direct``), else a buffer of its own."""
+    def _issue_gather(self, async_op: bool):
+        """Pack this rank's segment and gather every rank's into ``[ranks, width]`` rows;
+        returns (rows, the packed segment, the work: None once done). The segment is packed
+        into this rank's own row where nothing else gathers (one rank, or gloo's direct
+        transfers, which send from the row itself: ``europa.flexshard.direct``)."""
         g, segments = self.groups, self.segments
         locals_ = [slot.local.detach() for slot in self.slots]
         dtype, device = self._compute_dtype(), locals_[0].device
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
-        own_row = g.size == 1 or runs_direct(g.shard)
+        direct = g.size > 1 and runs_direct(g.shard)
+        own_row = g.size == 1 or direct
         send = segments.pack(g.rank, locals_, dtype, out=rows[g.rank] if own_row else None)
-        return rows, send
+        if g.size == 1:
+            work = None
+        elif direct:
+            work = gather_rows(rows, g.rank, g.shard, async_op=async_op)
+        else:
+            work = all_gather(rows.view(-1), send, group=g.shard, async_op=async_op)
+        return rows, send, work
 
     # -- prefetch ---------------------------------------------------------------------------
 
@@ -244,12 +246,7 @@ class GatherUnit:
         g = self.groups
         if self._pending is not None or g.size == 1:
             return
-        rows, send = self._packed_rows()
-        if runs_direct(g.shard):
-            work = gather_rows(rows, g.rank, g.shard, async_op=True)
-        else:
-            work = all_gather(rows.view(-1), send, group=g.shard, async_op=True)
-        self._pending = (rows, send, work)
+        self._pending = self._issue_gather(async_op=True)
 
     def cancel_prefetch(self) -> None:
         """Wait for and drop an all-gather issued but never used (e.g. at the end of a step)."""
