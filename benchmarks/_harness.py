@@ -25,7 +25,8 @@ COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd"
 class CollectiveBytes(TorchDispatchMode):
     """Adds up the payload a rank hands to each collective while active: the
     local shard of an all-gather, the full input of a reduce-scatter or an
-    all-to-all, the buffer of an all-reduce. ``only(name)`` narrows the ops."""
+    all-to-all, the buffer of an all-reduce, the buffer of a send (europa-flexshard's
+    direct transfers on gloo; a receive hands nothing in). ``only(name)`` narrows the ops."""
 
     def __init__(self, only: Callable[[str], bool] | None = None) -> None:
         super().__init__()
@@ -35,7 +36,7 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.__name__.split(".")[0]
-        counted = func.namespace in COLLECTIVE_NAMESPACES and not name.startswith("wait")
+        counted = func.namespace in COLLECTIVE_NAMESPACES and not name.startswith(("wait", "recv"))
         if counted and (self.only is None or self.only(name)):
             self.calls += 1
             self.bytes += _payload(func.namespace, name, args)
