@@ -10,13 +10,16 @@ alternating round by round:
   segment packed into its own row and sent from there, each other row received in place;
 * reduce-scatter: an in-place ``all_reduce`` of the rows (what FlexShard did on gloo,
   which has no reduce-scatter: every row travels to every rank) and
-  ``reduce_scatter_single`` (torch's: a clone, then an all-reduce), against each row sent
-  to its owner and the received rows summed in rank order.
+  ``reduce_scatter_single`` (torch's: a clone, then an all-reduce), each after the
+  gradients are packed into rows (a copy), against each owner's pieces (``--pieces``
+  parameters per row) sent straight from the gradients and the received pieces summed in
+  rank order (nothing packed).
 
 Per way: the median wall and CPU milliseconds per call on rank 0 (CPU: this process,
 every thread), and the ratios collective / direct. Results are checked equal.
 
     python benchmarks/flexshard_transport.py [--ranks 2] [--width 2097152] [--calls 20]
+        [--pieces 8]
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ def _cpu_s() -> float:
 def _run_rank(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
 
-    from europa.flexshard.direct import gather_rows, reduce_scatter_rows
+    from europa.flexshard.direct import gather_rows, reduce_scatter_pieces
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -73,10 +76,13 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
             dist.reduce_scatter_single(mine, rows.view(-1))
             return mine
 
+        def pieces(row: int) -> list[torch.Tensor]:  # views of the gradients, as FlexShard's
+            return list(grads[row].chunk(args["pieces"]))
+
         def reduce_scatter_direct():
-            rows = grads.clone()
-            reduce_scatter_rows(rows, rank, None)
-            return rows[rank]
+            outgoing = [[] if peer == rank else pieces(peer) for peer in range(world)]
+            sums, _ = reduce_scatter_pieces(pieces(rank), outgoing, rank, None)
+            return torch.cat(sums)
 
         ways = {
             "gather_collective": gather_collective,
@@ -115,6 +121,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--width", type=int, default=2097152, help="fp32 elements per row")
     parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--pieces", type=int, default=8, help="parameters per rank's share")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     ranks = run_ranks(_run_rank, args.ranks, vars(args))
@@ -135,6 +142,7 @@ def main() -> None:
         "ranks": args.ranks,
         "width": args.width,
         "calls": args.calls,
+        "pieces": args.pieces,
         "rounds": args.rounds,
         "torch": torch.__version__,
         "results_equal": all(r["equal"] for r in ranks),

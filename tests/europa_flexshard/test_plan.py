@@ -89,6 +89,13 @@ def test_shard_then_gather_round_trips_exactly(specs, world, seed):
             pieces = segments.split(rank, scattered[rank])
             for piece, expected in zip(pieces, locals_by_rank[rank], strict=True):
                 assert torch.equal(piece, expected)
+            # Gloo's direct reduce-scatter sends the owned pieces straight from the fulls:
+            # exactly the non-empty shares, in slot order, as views (nothing packed).
+            owned = segments.owned_pieces(rank, fulls)
+            shares = [share for share in locals_by_rank[rank] if share.numel()]
+            assert len(owned) == len(shares)
+            assert all(torch.equal(a, b) for a, b in zip(owned, shares, strict=True))
+            assert all(piece._base is not None for piece in owned)
 
 
 @given(specs=parameter_specs(), world=world_sizes)

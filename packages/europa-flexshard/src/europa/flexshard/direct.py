@@ -9,15 +9,18 @@ straight into place:
 
 * gather: rank r's row ``rows[r]`` (already packed by the caller) goes to every other
   rank, which receives it into its own ``rows[r]``;
-* reduce-scatter: rank r sends ``rows[j]`` (its contribution to rank j's share) to each
-  rank j and receives every other rank's contribution to ``rows[r]`` into a buffer of
-  its own; the sum is taken in rank order (p0 + p1 + ...), so it is the same bits
-  whichever rank computes it.
+* reduce-scatter: rank r sends each of its contributions to rank j's share straight
+  from the full gradients (``reduce_scatter_pieces``: one piece per parameter rank j
+  owns matrices of, a view, never packed into rows) and receives every other rank's
+  contributions to its own pieces into buffers of its own; each piece's sum is taken
+  in rank order (p0 + p1 + ...), so it is the same bits whichever rank computes it, and
+  it is left in a received buffer, which becomes the gradient (no row, no copy out).
 
 Per rank and unit that is the bytes of the ring algorithms (n - 1 rows out, n - 1 in)
 with no copy besides the sum. Every rank issues its transfers in the same order, send
-before receive, each kind on its own tag; gloo matches a (peer, tag) pair's messages in
-the order they were posted, so exchanges in flight together stay paired.
+before receive, each kind on its own tag, and pieces in parameter order; gloo matches a
+(peer, tag) pair's messages in the order they were posted, so exchanges in flight
+together stay paired.
 
 ``isend``/``irecv`` are looked up on ``torch.distributed`` at each call and the buffers
 are tagged with the traffic they stand for (``europa.spec.tags.mark_traffic``), so
@@ -26,7 +29,7 @@ europa-overlap's timeline files them as the gather or reduce-scatter they replac
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -81,29 +84,36 @@ def gather_rows(rows: torch.Tensor, rank: int, group, async_op: bool = False) ->
     return None
 
 
-def reduce_scatter_rows(
-    rows: torch.Tensor, rank: int, group, async_op: bool = False
-) -> DirectWork | None:
-    """Sum every rank's ``rows[rank]`` into this rank's ``rows[rank]`` (``rows`` is
-    ``[ranks, width]``: row j this rank's contribution to rank j's share)."""
-    ranks = rows.size(0)
+def reduce_scatter_pieces(
+    own: Sequence[torch.Tensor],
+    outgoing: Sequence[Sequence[torch.Tensor]],
+    rank: int,
+    group,
+    async_op: bool = False,
+) -> tuple[list[torch.Tensor], DirectWork | None]:
+    """Every rank's pieces summed over the ranks. ``own[i]``: this rank's contribution to
+    its own i-th piece; ``outgoing[j]``: its contributions to rank j's pieces, in rank j's
+    order (empty for this rank). Returns the sums, new tensors (the list is filled when
+    the work is done; at once without ``async_op``), and the work."""
+    ranks = len(outgoing)
     peers = [peer for peer in range(ranks) if peer != rank]
-    received = rows.new_empty(len(peers), rows.size(1))
-    works = [_send(rows[peer], peer, group, REDUCE_SCATTER) for peer in peers]
-    works += [_recv(received[i], peer, group, REDUCE_SCATTER) for i, peer in enumerate(peers)]
+    works = [_send(part, peer, group, REDUCE_SCATTER) for peer in peers for part in outgoing[peer]]
+    received = {peer: [torch.empty_like(piece) for piece in own] for peer in peers}
+    works += [_recv(buf, peer, group, REDUCE_SCATTER) for peer in peers for buf in received[peer]]
+    sums: list[torch.Tensor] = []
 
-    def rank_order_sum() -> None:
-        lower = [received[i] for i, peer in enumerate(peers) if peer < rank]
-        higher = [received[i] for i, peer in enumerate(peers) if peer > rank]
-        if lower:  # (p0 + p1 + ... + p[rank-1]) + p[rank], added as a + b == b + a
-            for part in lower[1:]:
-                lower[0].add_(part)
-            rows[rank].add_(lower[0])
-        for part in higher:
-            rows[rank].add_(part)
+    def rank_order_sums() -> None:
+        for i, mine in enumerate(own):
+            parts = [mine if source == rank else received[source][i] for source in range(ranks)]
+            # The first two are added into whichever is a received buffer (a + b == b + a).
+            total, other = (parts[1], parts[0]) if parts[0] is mine else (parts[0], parts[1])
+            total.add_(other)
+            for part in parts[2:]:
+                total.add_(part)
+            sums.append(total)
 
-    work = DirectWork(works, rank_order_sum)
+    work = DirectWork(works, rank_order_sums)
     if async_op:
-        return work
+        return sums, work
     work.wait()
-    return None
+    return sums, None

@@ -54,7 +54,7 @@ all-gather and one reduce-scatter per unit is what FSDP2 itself does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +62,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from europa.flexshard.direct import gather_rows, reduce_scatter_rows, runs_direct
+from europa.flexshard.direct import gather_rows, reduce_scatter_pieces, runs_direct
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
 from europa.spec.tags import mark_gathered
@@ -256,37 +256,68 @@ class GatherUnit:
 
     def reduce_scatter(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """This rank's averaged share of the full gradients, one per local parameter."""
-        return self._finish_reduce_scatter(*self._issue_reduce_scatter(grads, async_op=False))
+        return self._finish_reduce_scatter(self._issue_reduce_scatter(grads, async_op=False))
 
-    def _issue_reduce_scatter(self, grads: Sequence[torch.Tensor | None], async_op: bool):
+    def _issue_reduce_scatter(
+        self, grads: Sequence[torch.Tensor | None], async_op: bool
+    ) -> Callable[[], list[torch.Tensor]]:
+        """Issue the reduce-scatter of ``grads``; returns what waits for it and gives this
+        rank's summed shares, one per local parameter (not yet averaged)."""
         g, segments = self.groups, self.segments
         dtype = self.reduce_dtype or self.slots[0].local.dtype
         device = self.slots[0].local.device
+        if g.size > 1 and runs_direct(g.shard):
+            fulls = [
+                torch.zeros(spec.shape, dtype=dtype, device=device) if x is None else x.to(dtype)
+                for x, spec in zip(grads, segments.specs, strict=True)
+            ]
+            outgoing = [[] if peer == g.rank else segments.owned_pieces(peer, fulls)
+                        for peer in range(g.size)]  # fmt: skip
+            sums, work = reduce_scatter_pieces(segments.owned_pieces(g.rank, fulls), outgoing,
+                                               g.rank, g.shard, async_op)  # fmt: skip
+
+            def pieces() -> list[torch.Tensor]:
+                if work is not None:
+                    work.wait()
+                return self._per_slot(sums, dtype, device)
+
+            return pieces
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
-            return rows, rows[0], None
-        if runs_direct(g.shard):
-            return rows, rows[g.rank], reduce_scatter_rows(rows, g.rank, g.shard, async_op)
-        mine = rows.new_empty(segments.width)
-        work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
-                              async_op=async_op)  # fmt: skip
-        return rows, mine, work
+            mine, work = rows[0], None
+        else:
+            mine = rows.new_empty(segments.width)
+            work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
+                                  async_op=async_op)  # fmt: skip
 
-    def _finish_reduce_scatter(self, rows, mine, work) -> list[torch.Tensor]:
-        g = self.groups
-        if work is not None:
-            work.wait()
-        self._replicas_pending = g.replicas > 1
-        mine.div_(g.size * g.replicas)  # gloo has no AVG; the mean over data-parallel ranks
-        # Views of this rank's received row where no cast is needed and the row is exactly
-        # this rank's shares (no padding, and no other rank's row, kept alive as gradient),
-        # else compact copies.
-        copy = not self.segments.fills_row(g.rank) or (mine._base is rows and g.size > 1)
+        def split() -> list[torch.Tensor]:
+            if work is not None:
+                work.wait()
+            # Views of this rank's row where the row is exactly its shares (no padding kept
+            # alive as gradient), else compact copies.
+            views = self.segments.fills_row(g.rank)
+            return [p if views else p.clone() for p in self.segments.split(g.rank, mine)]
+
+        return split
+
+    def _per_slot(self, sums: Sequence[torch.Tensor], dtype, device) -> list[torch.Tensor]:
+        """The owned pieces' sums placed by slot; an empty share where this rank owns none."""
+        g, owned = self.groups, iter(sums)
         return [
-            piece.to(slot.local.dtype, copy=copy)
-            for piece, slot in zip(self.segments.split(g.rank, mine), self.slots, strict=True)
-        ]
+            next(owned) if counts[g.rank] else
+            torch.empty(self.segments.local_shape(g.rank, slot), dtype=dtype, device=device)
+            for slot, counts in enumerate(self.segments.counts)
+        ]  # fmt: skip
+
+    def _finish_reduce_scatter(self, pending: Callable[[], list[torch.Tensor]]):
+        """This rank's averaged shares, once ``pending`` (``_issue_reduce_scatter``) is done."""
+        g = self.groups
+        shares = pending()
+        self._replicas_pending = g.replicas > 1
+        for share in shares:  # gloo has no AVG; the mean over data-parallel ranks
+            share.div_(g.size * g.replicas)
+        return [share.to(slot.local.dtype) for share, slot in zip(shares, self.slots, strict=True)]
 
     def reduce_replicas(self) -> None:
         """Sum the local gradients over the replicas (one all-reduce of the unit's owned
@@ -307,10 +338,10 @@ class GatherUnit:
         if grads:
             sum_over(grads, self.groups.replicate, self.reduce_dtype)
 
-    def _accumulate(self, rows, mine, work) -> None:
+    def _accumulate(self, pending: Callable[[], list[torch.Tensor]]) -> None:
         """End of backward: this unit's asynchronous reduce-scatter is waited for and its
         share added to ``.grad``."""
-        self._add_to_grads(self._finish_reduce_scatter(rows, mine, work))
+        self._add_to_grads(self._finish_reduce_scatter(pending))
 
     def _add_to_grads(self, shares: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Add this backward's shares to the local parameters' ``.grad`` as autograd would
@@ -467,7 +498,7 @@ class GatherUnit:
         elif self.reduce_scatter_async and self.groups.size > 1:
             pending = self._issue_reduce_scatter(grads, async_op=True)
             torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._accumulate(*pending)
+                lambda: self._accumulate(pending)
             )
             local_grads = [None] * len(self.slots)  # added to .grad when the backward ends
         else:

@@ -107,6 +107,19 @@ class UnitSegments:
                 target.copy_(matrices[start : start + count].reshape(-1))
         return out
 
+    def owned_pieces(self, rank: int, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Rank's owned matrices of ``fulls``, ``[count, *matrix]`` views, for each
+        parameter it owns any of (``owned_slots``), in slot order."""
+        pieces = []
+        for slot in self.owned_slots(rank):
+            spec, start = self.specs[slot], self.starts[slot][rank]
+            matrices = fulls[slot].reshape(spec.matrices, *spec.matrix_shape)
+            pieces.append(matrices[start : start + self.counts[slot][rank]])
+        return pieces
+
+    def owned_slots(self, rank: int) -> list[int]:
+        return [slot for slot, counts in enumerate(self.counts) if counts[rank]]
+
     def fills_row(self, rank: int) -> bool:
         """Rank's segment is as wide as the rows: views of its row waste nothing."""
         return self.sizes[rank] == self.width
