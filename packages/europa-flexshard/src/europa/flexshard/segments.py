@@ -92,33 +92,30 @@ class UnitSegments:
 
     def scatter_rows(self, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
         """Fill ``out[rank]`` with rank's owned matrices of ``fulls`` (None counts as zeros)."""
-        for slot, spec in enumerate(self.specs):
-            full = fulls[slot]
-            matrices = None if full is None else full.reshape(spec.matrices, spec.matrix_numel)
+        for slot, full in zip(range(len(self.specs)), fulls, strict=True):
             for rank in range(self.ranks):
-                count = self.counts[slot][rank]
-                if not count:
+                if not self.counts[slot][rank]:
                     continue
                 target = out[rank, self._span(rank, slot)]
-                if matrices is None:
+                if full is None:
                     target.zero_()
-                    continue
-                start = self.starts[slot][rank]
-                target.copy_(matrices[start : start + count].reshape(-1))
+                else:
+                    target.copy_(self._owned(slot, rank, full).reshape(-1))
         return out
 
     def owned_pieces(self, rank: int, fulls: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Rank's owned matrices of ``fulls``, ``[count, *matrix]`` views, for each
         parameter it owns any of (``owned_slots``), in slot order."""
-        pieces = []
-        for slot in self.owned_slots(rank):
-            spec, start = self.specs[slot], self.starts[slot][rank]
-            matrices = fulls[slot].reshape(spec.matrices, *spec.matrix_shape)
-            pieces.append(matrices[start : start + self.counts[slot][rank]])
-        return pieces
+        return [self._owned(slot, rank, fulls[slot]) for slot in self.owned_slots(rank)]
 
     def owned_slots(self, rank: int) -> list[int]:
         return [slot for slot, counts in enumerate(self.counts) if counts[rank]]
+
+    def _owned(self, slot: int, rank: int, full: torch.Tensor) -> torch.Tensor:
+        """Rank's owned matrices of parameter ``slot``'s full tensor, a view where it can be."""
+        spec, start = self.specs[slot], self.starts[slot][rank]
+        matrices = full.reshape(spec.matrices, *spec.matrix_shape)
+        return matrices[start : start + self.counts[slot][rank]]
 
     def fills_row(self, rank: int) -> bool:
         """Rank's segment is as wide as the rows: views of its row waste nothing."""
