@@ -6,8 +6,10 @@ On spawned gloo ranks, for rows of ``--width`` fp32 elements per rank (the wides
 alternating round by round:
 
 * gather: ``all_gather_single`` of this rank's packed segment into fresh rows (gloo
-  receives into a flat buffer of its own, then copies every row out), against the
-  segment packed into its own row and sent from there, each other row received in place;
+  receives into a flat buffer of its own, then copies every row out), against this
+  rank's pieces (``--pieces`` parameters per segment) sent straight from where they are
+  and each other rank's received in place into its row (nothing packed: FlexShard takes
+  a rank's own pieces from its local parameters, so its own row is never filled);
 * reduce-scatter: an in-place ``all_reduce`` of the rows (what FlexShard did on gloo,
   which has no reduce-scatter: every row travels to every rank) and
   ``reduce_scatter_single`` (torch's: a clone, then an all-reduce), each after the
@@ -46,7 +48,7 @@ def _cpu_s() -> float:
 def _run_rank(rank: int, world: int, args: dict) -> dict:
     import torch.distributed as dist
 
-    from europa.flexshard.direct import gather_rows, reduce_scatter_pieces
+    from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -60,10 +62,15 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
             dist.all_gather_single(rows.view(-1), segment.clone())
             return rows
 
+        own_pieces = list(segment.chunk(args["pieces"]))  # as FlexShard's local parameters
+        spans, start = [], 0
+        for piece in own_pieces:
+            spans.append(slice(start, start + piece.numel()))
+            start += piece.numel()
+
         def gather_direct():
             rows = torch.empty(world, width)
-            rows[rank].copy_(segment)  # the pack, into the rank's own row
-            gather_rows(rows, rank, None)
+            gather_pieces(own_pieces, rows, [spans] * world, rank, None)
             return rows
 
         def all_reduce_rows():
@@ -93,7 +100,9 @@ def _run_rank(rank: int, world: int, args: dict) -> dict:
         }
         gathered = gather_collective()
         summed = reduce_scatter_collective()
-        equal = torch.equal(gather_direct(), gathered) and torch.allclose(
+        direct = gather_direct()
+        direct[rank] = segment  # its own row stays empty: its pieces are where they were
+        equal = torch.equal(direct, gathered) and torch.allclose(
             reduce_scatter_direct(), summed, rtol=1e-6, atol=1e-6
         )
         wall = {name: [] for name in ways}

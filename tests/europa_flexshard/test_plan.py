@@ -83,6 +83,28 @@ def test_shard_then_gather_round_trips_exactly(specs, world, seed):
         rows = torch.stack(packed)
         assert all(torch.equal(a, b) for a, b in zip(segments.unpack(rows), fulls, strict=True))
 
+        # Gloo's direct gather: a rank's pieces come from its local tensors, never its row
+        # (left as garbage here), and a parameter it owns whole is a view of its local one.
+        for rank in range(world):
+            garbage = rows.clone()
+            garbage[rank].fill_(float("nan"))
+            mine = locals_by_rank[rank]
+            own = segments.unpack(garbage, own=(rank, mine))
+            assert all(torch.equal(a, b) for a, b in zip(own, fulls, strict=True))
+            for slot, (full, local) in enumerate(zip(own, mine, strict=True)):
+                if not full.numel():
+                    continue
+                whole = segments.counts[slot][rank] == plan.spec(names[slot]).matrices
+                shares = full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+                assert shares == whole
+            # what it sends, and where each piece lands in its row on the other ranks
+            for piece, span in zip(
+                [mine[s] for s in segments.owned_slots(rank)],
+                segments.owned_spans(rank),
+                strict=True,
+            ):
+                assert torch.equal(rows[rank, span], piece.reshape(-1))
+
         # The gradient direction: each rank's row of the scattered fulls is its own share.
         scattered = segments.scatter_rows(fulls, torch.empty(world, segments.width))
         for rank in range(world):

@@ -7,8 +7,10 @@ all-reduce of the rows in place still moves every row to every rank). On CPU tho
 copies and bytes are work for the same cores that compute. Here each row travels once,
 straight into place:
 
-* gather: rank r's row ``rows[r]`` (already packed by the caller) goes to every other
-  rank, which receives it into its own ``rows[r]``;
+* gather: rank r's pieces (its owned matrices of each parameter, sent straight from
+  its local parameters: nothing packed) go to every other rank, which receives them
+  into their places in its ``rows[r]``; rank r's own row is never filled, since its
+  full parameters take its pieces from the local parameters themselves;
 * reduce-scatter: rank r sends each of its contributions to rank j's share straight
   from the full gradients (``reduce_scatter_pieces``: one piece per parameter rank j
   owns matrices of, a view, never packed into rows) and receives every other rank's
@@ -71,12 +73,22 @@ def _recv(tensor: torch.Tensor, peer: int, group, kind: str):
     return dist.irecv(tensor, group=group, group_src=peer, tag=_TAGS[kind])
 
 
-def gather_rows(rows: torch.Tensor, rank: int, group, async_op: bool = False) -> DirectWork | None:
-    """Fill every other rank's row of ``rows`` (``[ranks, width]``, this rank's row
-    packed) with that rank's row."""
+def gather_pieces(
+    own: Sequence[torch.Tensor],
+    rows: torch.Tensor,
+    spans: Sequence[Sequence[slice]],
+    rank: int,
+    group,
+    async_op: bool = False,
+) -> DirectWork | None:
+    """Send this rank's pieces ``own`` (contiguous, in slot order) to every other rank,
+    and receive every other rank's into its row of ``rows`` (``[ranks, width]``): peer's
+    i-th piece lands in ``rows[peer, spans[peer][i]]``. This rank's row is left as it is."""
     ranks = rows.size(0)
-    works = [_send(rows[rank], peer, group, GATHER) for peer in range(ranks) if peer != rank]
-    works += [_recv(rows[peer], peer, group, GATHER) for peer in range(ranks) if peer != rank]
+    peers = [peer for peer in range(ranks) if peer != rank]
+    works = [_send(piece.reshape(-1), peer, group, GATHER) for peer in peers for piece in own]
+    works += [_recv(rows[peer, span], peer, group, GATHER) for peer in peers
+              for span in spans[peer]]  # fmt: skip
     work = DirectWork(works)
     if async_op:
         return work

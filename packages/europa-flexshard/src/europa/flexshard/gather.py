@@ -10,7 +10,9 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   ``__dict__``, which attribute lookup reads before ``_parameters``), so the
   module's own code runs unchanged on whole weights;
 * forward post-hook: the shadows go and the full tensors' storage is freed
-  (``resize_(0)``); autograd keeps only the tensor objects it saved;
+  (``resize_(0)``); autograd keeps only the tensor objects it saved. On gloo a
+  parameter this rank owns whole is gathered as a view of its local parameter (its
+  pieces are sent from there, nothing packed), and that storage stays;
 * pre-backward hook (on the unit's outputs): the storage is gathered again in
   place, so what autograd saved is valid, and the shadows return, so a
   recomputed forward (activation checkpointing) sees whole weights too;
@@ -62,7 +64,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from europa.flexshard.direct import gather_rows, reduce_scatter_pieces, runs_direct
+from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces, runs_direct
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
 from europa.spec.tags import mark_gathered
@@ -162,6 +164,7 @@ class GatherUnit:
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.fulls: list[torch.Tensor] | None = None
+        self._gathered: list[torch.Tensor] = []  # the fulls freed between uses (_set_fulls)
         # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
         self.reshard_after_forward = True
         # True: the gradient reduce-scatter is issued asynchronously and waited for at the
@@ -198,34 +201,36 @@ class GatherUnit:
     def all_gather(self) -> list[torch.Tensor]:
         """Every parameter of the unit in full, as new tensors in the compute dtype
         (from the prefetched all-gather when one is in flight)."""
-        segments = self.segments
         if self._pending is not None:
-            rows, _, work = self._pending
+            rows, own, work = self._pending
             self._pending = None
             work.wait()
-            return segments.unpack(rows)
-        rows, _, _ = self._issue_gather(async_op=False)
-        return segments.unpack(rows)
+        else:
+            rows, own, _ = self._issue_gather(async_op=False)
+        return self.segments.unpack(rows, own)
 
     def _issue_gather(self, async_op: bool):
-        """Pack this rank's segment and gather every rank's into ``[ranks, width]`` rows;
-        returns (rows, the packed segment, the work: None once done). The segment is packed
-        into this rank's own row where nothing else gathers (one rank, or gloo's direct
-        transfers, which send from the row itself: ``europa.flexshard.direct``)."""
+        """Gather every rank's segment into ``[ranks, width]`` rows; returns (rows, this
+        rank's pieces for ``UnitSegments.unpack`` (None: they are in its row), the work:
+        None once done). On gloo the pieces go straight from the local parameters (cast to
+        the compute dtype where it differs) and this rank's row stays empty
+        (``europa.flexshard.direct``); elsewhere the segment is packed for the collective
+        (into this rank's own row where nothing else gathers: one rank)."""
         g, segments = self.groups, self.segments
         locals_ = [slot.local.detach() for slot in self.slots]
         dtype, device = self._compute_dtype(), locals_[0].device
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
-        direct = g.size > 1 and runs_direct(g.shard)
-        own_row = g.size == 1 or direct
-        send = segments.pack(g.rank, locals_, dtype, out=rows[g.rank] if own_row else None)
-        if g.size == 1:
-            work = None
-        elif direct:
-            work = gather_rows(rows, g.rank, g.shard, async_op=async_op)
-        else:
+        if g.size > 1 and runs_direct(g.shard):
+            pieces = [local.to(dtype) for local in locals_]
+            sent = [pieces[slot] for slot in segments.owned_slots(g.rank)]
+            spans = [segments.owned_spans(peer) for peer in range(g.size)]
+            work = gather_pieces(sent, rows, spans, g.rank, g.shard, async_op=async_op)
+            return rows, (g.rank, pieces), work
+        send = segments.pack(g.rank, locals_, dtype, out=rows[g.rank] if g.size == 1 else None)
+        work = None
+        if g.size > 1:
             work = all_gather(rows.view(-1), send, group=g.shard, async_op=async_op)
-        return rows, send, work
+        return rows, None, work
 
     # -- prefetch ---------------------------------------------------------------------------
 
@@ -369,14 +374,26 @@ class GatherUnit:
             slot.module.__dict__.pop(slot.attr, None)
 
     def _free(self) -> None:
-        for full in self.fulls or ():
+        for full in self._gathered:
             full.untyped_storage().resize_(0)
 
     def _refill(self) -> None:
-        for full, fresh in zip(self.fulls, self.all_gather(), strict=True):
-            full.untyped_storage().resize_(fresh.untyped_storage().nbytes())
+        fresh = dict(zip(map(id, self.fulls), self.all_gather(), strict=True))
+        for full in self._gathered:
+            full.untyped_storage().resize_(fresh[id(full)].untyped_storage().nbytes())
             with torch.autograd._unsafe_preserve_version_counter(full):
-                full.copy_(fresh)
+                full.copy_(fresh[id(full)])
+
+    def _set_fulls(self, fulls: list[torch.Tensor]) -> None:
+        """Hold ``fulls``; those with storage of their own are freed between uses, not
+        those that view a local parameter (one this rank owns whole, gathered on gloo)."""
+        local = {slot.local.untyped_storage().data_ptr() for slot in self.slots}
+        self.fulls = fulls
+        self._gathered = [
+            full for full in fulls
+            if full.untyped_storage().nbytes() == 0
+            or full.untyped_storage().data_ptr() not in local
+        ]  # fmt: skip
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -440,9 +457,9 @@ class GatherUnit:
             return
         locals_ = [slot.local for slot in self.slots]
         if torch.is_grad_enabled() and any(p.requires_grad for p in locals_):
-            self.fulls = list(_GatherFunction.apply(self, *locals_))
+            self._set_fulls(list(_GatherFunction.apply(self, *locals_)))
         else:
-            self.fulls = self.all_gather()
+            self._set_fulls(self.all_gather())
         for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
             mark_gathered(full)
             if full._base is not None:  # the gathered rows: the base of what views them
@@ -458,7 +475,7 @@ class GatherUnit:
             return
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
         if not needs_grad or not any(f.requires_grad for f in self.fulls):
-            self.fulls = None
+            self.fulls, self._gathered = None, []
             return
         self._resharded = self.reshard_after_forward
         if self._resharded:
@@ -505,7 +522,7 @@ class GatherUnit:
             local_grads = self.reduce_scatter(grads)
         self._unshadow()
         self._free()
-        self.fulls = None
+        self.fulls, self._gathered = None, []
         return local_grads
 
 

@@ -70,25 +70,41 @@ class UnitSegments:
             out[offset:].zero_()
         return out
 
-    def unpack(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def unpack(
+        self, rows: torch.Tensor, own: tuple[int, Sequence[torch.Tensor]] | None = None
+    ) -> list[torch.Tensor]:
         """Every parameter in full, from the gathered ``[ranks, width]`` rows: a view of
         ``rows`` where one rank owns all its matrices (whole-matrix ownership makes that
         the common case, and it costs no copy) and the rows are little padding
-        (``views_rows``), else a new tensor of the ranks' pieces."""
+        (``views_rows``), else a new tensor of the ranks' pieces. ``own = (rank, locals)``:
+        rank's pieces are its local tensors, not its row (which is then never read), and a
+        parameter it owns whole is a view of its local tensor."""
         fulls = []
         for slot, spec in enumerate(self.specs):
             pieces = [
-                rows[rank, self._span(rank, slot)].view(self.local_shape(rank, slot))
+                self._piece(rows, rank, slot, own)
                 for rank in range(self.ranks)
                 if self.counts[slot][rank]
             ]
+            owner_views = own is not None and self.counts[slot][own[0]] == spec.matrices
             if not pieces:  # a stack of zero experts
                 fulls.append(rows.new_empty(spec.shape))
-            elif len(pieces) == 1 and self.views_rows:
+            elif len(pieces) == 1 and (self.views_rows or owner_views):
                 fulls.append(pieces[0].view(spec.shape))
             else:
                 fulls.append(torch.cat(pieces).view(spec.shape))
         return fulls
+
+    def _piece(
+        self,
+        rows: torch.Tensor,
+        rank: int,
+        slot: int,
+        own: tuple[int, Sequence[torch.Tensor]] | None,
+    ) -> torch.Tensor:
+        if own is not None and own[0] == rank:
+            return own[1][slot].view(self.local_shape(rank, slot))
+        return rows[rank, self._span(rank, slot)].view(self.local_shape(rank, slot))
 
     def scatter_rows(self, fulls: Sequence[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
         """Fill ``out[rank]`` with rank's owned matrices of ``fulls`` (None counts as zeros)."""
@@ -107,6 +123,10 @@ class UnitSegments:
         """Rank's owned matrices of ``fulls``, ``[count, *matrix]`` views, for each
         parameter it owns any of (``owned_slots``), in slot order."""
         return [self._owned(slot, rank, fulls[slot]) for slot in self.owned_slots(rank)]
+
+    def owned_spans(self, rank: int) -> list[slice]:
+        """Where rank's pieces (``owned_slots``) sit in its row, in slot order."""
+        return [self._span(rank, slot) for slot in self.owned_slots(rank)]
 
     def owned_slots(self, rank: int) -> list[int]:
         return [slot for slot, counts in enumerate(self.counts) if counts[rank]]
