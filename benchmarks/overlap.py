@@ -3,7 +3,10 @@
 Two ranks, each in its own network namespace (``_netns``: a veth pair between
 them, rate-limited with ``tc ... tbf``), so that communication weighs as it does
 between nodes rather than over loopback, where gloo's communication thread
-mostly competes with compute for the cores. Each rank builds two trainers on
+mostly competes with compute for the cores. Each namespace is a node to europa
+(``LOCAL_WORLD_SIZE = 1``: overlap chunks the expert exchange as across nodes, with
+``overlap.expert_chunks``), and the exchange is the flat one either way
+(``parallel.ep_dispatch = "flat"``). Each rank builds two trainers on
 the same model, data and optimizer (``-p flexshard`` with ``parallel.ep = 2`` by
 default, both with ``-p overlap``):
 
@@ -58,9 +61,11 @@ def _trainer(args, overrides: list[str], run_dir: Path):
     from europa.core.train.loop import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
     settings = [
         *args.set,
         f"parallel.ep={args.ep}",
+        'parallel.ep_dispatch="flat"',  # one all-to-all, whether the ranks share a node or not
         f"training.steps={args.steps}",
         "metrics.progress=false",
         'parallel.device="cpu"',
@@ -70,7 +75,7 @@ def _trainer(args, overrides: list[str], run_dir: Path):
     config, manager = open_session(args.preset, settings, ["flexshard", "overlap"])
     device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
     job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world, local_rank=rank,
-              device=device, mesh=mesh)  # fmt: skip
+              ranks_per_node=per_node, device=device, mesh=mesh)  # fmt: skip
     return Trainer(job, manager, resume=False)
 
 
@@ -108,9 +113,10 @@ def worker(args) -> None:
 
 def _launch(args, out: Path, link: str) -> None:
     procs = []
+    per_node = "1" if link == "emulated" else "2"  # a namespace stands for a node
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE="2", MASTER_PORT=str(PORT))  # fmt: skip
+                   LOCAL_WORLD_SIZE=per_node, MASTER_PORT=str(PORT))  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", "--out", str(out), *_forwarded(args)]
         if link == "emulated":
             env.update(NODES.environment(rank))
@@ -198,7 +204,8 @@ def main() -> None:
         "preset": args.preset,
         "ranks": 2,
         "plugins": ["flexshard", "overlap"],
-        "settings": [f"parallel.ep={args.ep}", *args.set],
+        "settings": [f"parallel.ep={args.ep}", 'parallel.ep_dispatch="flat"', *args.set],
+        "ranks_per_node": 1 if link == "emulated" else 2,
         "steps": args.steps,
         "link": link,
         "link_detail": (

@@ -130,9 +130,25 @@ def test_the_plan_hook_names_the_kinds_run_beside_compute():
     from europa.overlap import plugin
 
     for chunks, all_to_all in ((2, True), (0, False)):
-        config, _ = open_session("tiny", [f"overlap.expert_chunks={chunks}"], ["overlap"])
+        config, _ = open_session(
+            "tiny", ["parallel.ep=2", f"overlap.expert_chunks={chunks}"], ["overlap"]
+        )
         plan = {}
-        plugin.europa_plan(job=SimpleNamespace(config=config), plan=plan)
+        plugin.europa_plan(job=SimpleNamespace(config=config, node_size=1), plan=plan)
         assert ("expert_all_to_all" in plan["overlapped_kinds"]) == all_to_all
         assert {"parameter_gather", "host_copies"} <= set(plan["overlapped_kinds"])
         assert "optimizer_step" not in plan["overlapped_kinds"]
+
+
+def test_the_expert_exchange_is_chunked_across_nodes_and_not_within_one():
+    from europa.core.session import open_session
+    from europa.overlap import plugin
+
+    sets = ["overlap.expert_chunks=3", "overlap.expert_chunks_within_node=1"]
+    for ep, node_size, chunks in ((2, 1, 3), (4, 2, 3), (2, 2, 1), (2, 4, 1)):
+        config, _ = open_session("tiny", [f"parallel.ep={ep}", *sets], ["overlap"])
+        job = SimpleNamespace(config=config, node_size=node_size)
+        assert plugin.expert_chunks(job) == chunks, (ep, node_size)
+        plan = {}
+        plugin.europa_plan(job=job, plan=plan)
+        assert plan["overlap"]["expert_chunks"] == chunks

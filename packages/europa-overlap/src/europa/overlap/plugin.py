@@ -2,7 +2,8 @@
 
 Imports only pluggy and the standard library at module level (torch when a
 hook runs); ``job`` is used by duck typing: ``job.config`` (its ``overlap``
-table), ``job.rank``, ``job.run_dir``, ``job.state``. It composes with the
+table, and ``parallel.ep``), ``job.node_size``, ``job.rank``, ``job.run_dir``,
+``job.state``. It composes with the
 layout that won ``europa_shard_model`` without importing it:
 
 * europa-flexshard: ``job.state["flexshard"]`` is its layout; its ``units``
@@ -68,8 +69,17 @@ class OverlapConfig:
         default=2,
         metadata={
             "ge": 0,
-            "doc": "chunks of the overlapped expert exchange: of local experts (flat) or of "
-            "tokens (two-level); 0: the layout's own exchange",
+            "doc": "chunks of the overlapped expert exchange where it crosses nodes: of local "
+            "experts (flat) or of tokens (two-level); 0: the layout's own exchange",
+        },
+    )
+    expert_chunks_within_node: int = field(
+        default=1,
+        metadata={
+            "ge": 0,
+            "doc": "expert_chunks where each expert-parallel group lies inside one node (a copy "
+            "over the node's own link, which a chunk cannot hide: it only adds a "
+            "synchronisation); 0: the layout's own exchange",
         },
     )
     timeline: bool = field(
@@ -99,6 +109,15 @@ def _flexshard_blocks(layout, model):
     return [u for u in layout.units if u is not root], root
 
 
+def expert_chunks(job) -> int:
+    """The chunks of this run's expert exchange: ``expert_chunks_within_node`` where every
+    expert-parallel group (``parallel.ep`` consecutive ranks) lies inside one node, else
+    ``expert_chunks``."""
+    table = job.config.section(NAME)
+    within_node = job.config.parallel.ep <= job.node_size
+    return table.expert_chunks_within_node if within_node else table.expert_chunks
+
+
 @hookimpl(trylast=True)
 def europa_wrap_model(job, model):
     from europa.overlap.experts import overlap_expert_all_to_all
@@ -120,8 +139,9 @@ def europa_wrap_model(job, model):
         if fsdp:
             root = model if hasattr(model, "set_modules_to_forward_prefetch") else None
             prefetch_fsdp(fsdp, table.prefetch_depth, table.reshard_after_forward, root)
-    if table.expert_chunks:
-        run.expert_layers = overlap_expert_all_to_all(model, table.expert_chunks)
+    chunks = expert_chunks(job)
+    if chunks:
+        run.expert_layers = overlap_expert_all_to_all(model, chunks)
     if table.timeline:
         run.timeline = Timeline(job.rank).install()
     job.state[NAME] = run
@@ -189,18 +209,19 @@ def europa_search_levers(config, world_size, ranks_per_node, plan):
 @hookimpl
 def europa_plan(job, plan):
     """Add ``plan["overlapped_kinds"]`` (europa-core's planner hides these kinds behind
-    compute): the layout's own plus the expert all-to-all (with ``expert_chunks``) and
+    compute): the layout's own plus the expert all-to-all (in chunks: ``expert_chunks``) and
     host copies (europa-offload's side-stream copies), and ``plan["overlap"]``."""
     table = job.config.section(NAME)
     kinds = list(LAYOUT_OVERLAPPED)
-    if table.expert_chunks:
+    chunks = expert_chunks(job)
+    if chunks:
         kinds.append("expert_all_to_all")
     kinds.append("host_copies")
     plan["overlapped_kinds"] = kinds
     plan[NAME] = {
         "prefetch_depth": table.prefetch_depth,
         "reshard_after_forward": table.reshard_after_forward,
-        "expert_chunks": table.expert_chunks,
+        "expert_chunks": chunks,
     }
 
 
