@@ -361,6 +361,10 @@ def test_expert_parallel_training_equals_ep_1_and_resumes_on_another_ep(four_ran
     losses = {name: [r["loss"] for r in records] for name, records in runs.items()}
     for ep in ("ep2", "ep4"):  # the same global batch: equal within fp32 noise
         assert losses[ep] == pytest.approx(losses["ep1"], rel=1e-5)
+        # each matrix's square counted once, whether the dense and expert groups are the
+        # same ranks (ep4: one all-reduce of both sums) or not (ep2 of 4 ranks)
+        norms = [[r["grad_norm"] for r in runs[name]] for name in (ep, "ep1")]
+        assert norms[0] == pytest.approx(norms[1], rel=1e-5)
         for mine, theirs in zip(runs[ep], runs["ep1"], strict=True):  # global token counts
             for layer, shares in mine["expert_load"].items():
                 assert shares == pytest.approx(theirs["expert_load"][layer], abs=1e-6)

@@ -173,8 +173,8 @@ class FlexShardLayout:
         before clipping. Each matrix is counted once: on its owner."""
         self.finish_gradients()
         device = next(iter(self.slots.values())).local.device
-        dense = torch.zeros((), dtype=torch.float32, device=device)
-        routed = torch.zeros((), dtype=torch.float32, device=device)
+        squares = torch.zeros(2, dtype=torch.float32, device=device)
+        dense, routed = squares[0], squares[1]
         grads = []
         for name, slot in self.slots.items():
             grad = slot.local.grad
@@ -182,16 +182,27 @@ class FlexShardLayout:
                 continue
             grads.append(grad)
             (routed if self.is_expert(name) else dense).add_(grad.float().pow(2).sum())
-        if self.groups.size > 1:
-            dist.all_reduce(dense, op=dist.ReduceOp.SUM, group=self.groups.shard)
-        if self.experts is not None and self.experts.size > 1:
-            dist.all_reduce(routed, op=dist.ReduceOp.SUM, group=self.experts.group)
+        self._sum_over_owners(squares)
         norm = (dense + routed).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_
             for grad in grads:
                 grad.mul_(scale.to(grad.dtype))
         return norm.item()
+
+    def _sum_over_owners(self, squares: torch.Tensor) -> None:
+        """Sum ``squares`` (the dense, then the routed sum of squares) over the ranks that own
+        each kind of matrix: one all-reduce where both groups are the same ranks."""
+        groups = []  # (kind, group): None is the default group
+        if self.groups.size > 1:
+            groups.append((0, self.groups.shard))
+        if self.experts is not None and self.experts.size > 1:
+            groups.append((1, self.experts.group))
+        if len(groups) == 2 and _same_ranks(groups[0][1], groups[1][1]):
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=groups[0][1])
+            return
+        for kind, group in groups:
+            dist.all_reduce(squares[kind : kind + 1], op=dist.ReduceOp.SUM, group=group)
 
     # -- summaries --------------------------------------------------------------------------
 
@@ -224,6 +235,11 @@ class FlexShardLayout:
             for name in self.experts.names:
                 fulls[name] = self.experts.gather(name, self.slots[name].local.detach())
         return fulls
+
+
+def _same_ranks(a: dist.ProcessGroup | None, b: dist.ProcessGroup | None) -> bool:
+    world = dist.group.WORLD
+    return dist.get_process_group_ranks(a or world) == dist.get_process_group_ranks(b or world)
 
 
 @dataclass
