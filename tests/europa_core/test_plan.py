@@ -275,3 +275,47 @@ def test_an_async_save_never_loses_more_than_a_sync_one_and_its_staging(write, s
     lost = lost_per_save(write, staging, every, step)
     assert staging <= lost["async"] <= lost["sync"] + staging
     assert lost_per_save(None, staging, every, step) == {"sync": None, "async": None}
+
+
+@given(
+    sizes=st.lists(st.integers(1, 10**6), min_size=1, max_size=8),
+    root=st.integers(0, 10**6),
+    compute_bytes=st.sampled_from([2, 4]),
+)
+def test_blocks_kept_gathered_to_backward_are_counted_whole(sizes, root, compute_bytes):
+    from europa.core.plan.memory import kept_blocks, transient_buffers
+
+    units = {f"layers.{i}": n for i, n in enumerate(sizes)} | {"<root>": root}
+    gathered = {}
+    for policy in ("all", "all_but_last", "none"):
+        layout = {"gathered_unit_elements": units}
+        terms = transient_buffers(layout, compute_bytes, 4, 0, policy)
+        gathered[policy] = terms["gathered_parameters"] // compute_bytes
+    assert kept_blocks(units, "all") == []
+    assert kept_blocks(units, "all_but_last") == [f"layers.{len(sizes) - 1}"]
+    assert kept_blocks(units, "none") == [f"layers.{i}" for i in range(len(sizes))]
+    assert gathered["all"] == 2 * max(units.values())  # the one in use and the prefetched
+    assert gathered["all"] <= gathered["all_but_last"] <= gathered["none"]
+    assert gathered["all_but_last"] >= sizes[-1] + max([*sizes[:-1], root])
+    assert gathered["none"] >= sum(sizes) + root
+
+
+def test_the_plan_counts_the_blocks_overlap_keeps_gathered_to_backward():
+    # overlap.reshard_after_forward = "none" keeps every block's gathered parameters from its
+    # forward to its backward: the plan's device memory holds them all.
+    plans = {
+        policy: _debug_plan(
+            ["parallel.ep=2", f'overlap.reshard_after_forward="{policy}"'],
+            ["flexshard", "overlap"],
+            hardware="cpu",
+            ranks=2,
+        )
+        for policy in ("all", "none")
+    }
+    units = plans["none"].layout["gathered_unit_elements"]
+    blocks = sum(n for unit, n in units.items() if unit != "<root>")
+    kept = plans["none"].device_terms["gathered_parameters"]
+    assert kept >= 4 * blocks > plans["all"].device_terms["gathered_parameters"]
+    assert plans["none"].device_total - plans["all"].device_total == (
+        kept - plans["all"].device_terms["gathered_parameters"]
+    )

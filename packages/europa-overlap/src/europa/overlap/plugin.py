@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from europa.spec.hookspecs import hookimpl
+from europa.spec.layout import RESHARD_POLICIES
 
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own
@@ -57,7 +58,7 @@ class OverlapConfig:
     reshard_after_forward: str = field(
         default="all",
         metadata={
-            "choices": ("all", "all_but_last", "none"),
+            "choices": RESHARD_POLICIES,
             "doc": "blocks that free their gathered parameters after forward",
         },
     )
@@ -218,6 +219,7 @@ def europa_plan(job, plan):
         kinds.append("expert_all_to_all")
     kinds.append("host_copies")
     plan["overlapped_kinds"] = kinds
+    plan["reshard_after_forward"] = table.reshard_after_forward
     plan[NAME] = {
         "prefetch_depth": table.prefetch_depth,
         "reshard_after_forward": table.reshard_after_forward,

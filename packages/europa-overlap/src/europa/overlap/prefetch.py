@@ -20,17 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from europa.overlap.errors import OverlapError
-
-RESHARD_POLICIES = ("all", "all_but_last", "none")
-
-
-def reshards(policy: str, index: int, blocks: int) -> bool:
-    """Whether block ``index`` of ``blocks`` (in forward order) frees its gathered parameters."""
-    if policy not in RESHARD_POLICIES:
-        raise OverlapError(
-            f"reshard_after_forward = {policy!r}: expected one of {', '.join(RESHARD_POLICIES)}"
-        )
-    return policy == "all" or (policy == "all_but_last" and index < blocks - 1)
+from europa.spec.layout import RESHARD_POLICIES as RESHARD_POLICIES  # this package's API too
+from europa.spec.layout import reshards
 
 
 def _ahead(blocks: Sequence[Any], index: int, depth: int) -> list[Any]:

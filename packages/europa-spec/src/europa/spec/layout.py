@@ -24,6 +24,23 @@ STEP, LAST_BACKWARD = "step", "last_backward"
 ROOT_UNIT = "<root>"  # the unit of what no block claims: embedding, final norm, output head
 
 
+# Which gathered blocks free their full parameters after forward (the others keep them
+# until their backward): all, all but the last (in forward order), or none. europa-overlap's
+# ``overlap.reshard_after_forward``; a plugin that sets it states it in its ``europa_plan``
+# as ``plan["reshard_after_forward"]``, and the planner counts what the kept blocks hold.
+RESHARD_POLICIES = ("all", "all_but_last", "none")
+
+
+def reshards(policy: str, index: int, blocks: int) -> bool:
+    """Whether block ``index`` of ``blocks`` (in forward order) frees its gathered
+    parameters after forward under ``policy`` (one of ``RESHARD_POLICIES``)."""
+    if policy not in RESHARD_POLICIES:
+        raise UserError(
+            f"reshard_after_forward = {policy!r}: expected one of {', '.join(RESHARD_POLICIES)}"
+        )
+    return policy == "all" or (policy == "all_but_last" and index < blocks - 1)
+
+
 def unit_of(name: str) -> str:
     """The gather unit of a parameter of a model with ``layers``: its block
     (``layers.<i>``), or the root; every layout groups parameters so."""

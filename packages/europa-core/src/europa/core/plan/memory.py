@@ -14,6 +14,7 @@ import fnmatch
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
+from europa.spec.layout import ROOT_UNIT, reshards
 from europa.spec.optim import FP32, optimizer_state_bytes, uses_muon
 
 
@@ -121,18 +122,40 @@ def activations(
     return Activations(device=device, host=host, per_block=per_block)
 
 
+def kept_blocks(units: dict[str, int], policy: str) -> list[str]:
+    """The blocks of ``units`` (``gathered_unit_elements``) that keep their gathered
+    parameters from forward to backward under the reshard-after-forward ``policy``."""
+    blocks = sorted((u for u in units if u != ROOT_UNIT), key=_block_index)
+    return [b for i, b in enumerate(blocks) if not reshards(policy, i, len(blocks))]
+
+
+def _block_index(unit: str) -> tuple[int, str]:
+    tail = unit.rsplit(".", 1)[-1]
+    return (int(tail), unit) if tail.isdigit() else (-1, unit)
+
+
 def transient_buffers(
-    layout: dict, compute_bytes: int, reduce_bytes: int, expert_buffer_bytes: int
+    layout: dict,
+    compute_bytes: int,
+    reduce_bytes: int,
+    expert_buffer_bytes: int,
+    reshard_after_forward: str = "all",
 ) -> dict[str, int]:
-    """The largest unit gathered (and the next one prefetched), its unsharded
-    gradient and reduce-scatter input, the expert all-to-all buffers of one
-    layer, and Muon's gathered matrix in ``optimizer.step()``."""
-    largest = max(layout["gathered_unit_elements"].values(), default=0)
+    """The gathered parameters: the largest unit in use and the next one prefetched, or,
+    where more, the blocks kept from forward to backward (``reshard_after_forward``) and
+    the largest other unit (the root, or one prefetched); the largest unit's unsharded
+    gradient and reduce-scatter input, the expert all-to-all buffers of one layer, and
+    Muon's gathered matrix in ``optimizer.step()``."""
+    units = layout["gathered_unit_elements"]
+    largest = max(units.values(), default=0)
+    kept = kept_blocks(units, reshard_after_forward)
+    others = max((n for u, n in units.items() if u not in kept), default=0)
     gradient = largest * compute_bytes + (
         largest * reduce_bytes if reduce_bytes != compute_bytes else 0
     )
     return {
-        "gathered_parameters": 2 * largest * compute_bytes,
+        "gathered_parameters": max(2 * largest, sum(units[u] for u in kept) + others)
+        * compute_bytes,
         "gradient_buffers": gradient,
         "expert_buffers": expert_buffer_bytes,
         "optimizer_workspace": 3 * FP32 * layout.get("largest_step_gather_elements", 0),

@@ -258,6 +258,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     staging = {STAGING: stage if config.checkpoint.mode == "async" else 0}
     # A CPU rank's "host" buffers are the RAM its device memory already names.
     device_staging, host_staging = (staging, {}) if hardware.device == "cpu" else ({}, staging)
+    kept_gathered = plan.get("reshard_after_forward", "all")  # blocks kept to backward
     expert_buffers = 0
     if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
         expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
@@ -268,7 +269,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         if offload.optimizer_state
         else optimizer_state,
         "activations": acts.device,
-        **transient_buffers(layout, compute_bytes, reduce_bytes, expert_buffers),
+        **transient_buffers(layout, compute_bytes, reduce_bytes, expert_buffers, kept_gathered),
         **device_staging,
         "reserved": hardware.reserved_bytes,
     }
