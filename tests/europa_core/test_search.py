@@ -128,3 +128,34 @@ def test_the_three_best_proposals_for_debug_train(tmp_path):
     for r in runs:
         losses = [line["loss"] for line in records[r.name]]
         assert len(losses) == 2 and all(loss == loss for loss in losses), r
+
+
+KEY = "overlap.reshard_after_forward"
+
+
+def test_the_search_keeps_blocks_gathered_to_backward_where_it_plans_that_faster():
+    # overlap.reshard_after_forward = "none": one gather of each block a micro-batch instead
+    # of two, for the memory of every block kept; the search plans both and ranks them.
+    result, _, _ = _search("tiny", [], 2)
+    for proposal in result.proposals:
+        policy = dict(proposal.sets).get(KEY)
+        assert (policy is not None) == ("overlap" in proposal.plugins)
+    kept = [p for p in result.proposals if dict(p.sets).get(KEY) == "none"]
+    freed = {
+        (p.plugins, tuple(s for s in p.sets if s[0] != KEY)): p
+        for p in result.proposals
+        if dict(p.sets).get(KEY) == "all"
+    }
+    assert kept
+    fewer = 0
+    for p in kept:
+        twin = freed.get((p.plugins, tuple(s for s in p.sets if s[0] != KEY)))
+        if twin is None:
+            continue
+        gathers = [
+            sum(t.bytes_per_step for t in q.plan.traffic if t.kind == "parameter_gather")
+            for q in (p, twin)
+        ]
+        assert gathers[0] <= gathers[1] and p.plan.device_total >= twin.plan.device_total
+        fewer += gathers[0] < gathers[1]
+    assert fewer  # a gathered layout among them, planned with one gather a block, not two

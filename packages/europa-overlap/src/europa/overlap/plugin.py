@@ -203,8 +203,12 @@ def europa_after_step(job, step, metrics):
 
 @hookimpl
 def europa_search_levers(config, world_size, ranks_per_node, plan):
-    """One lever: communication as the layout schedules it, or hidden behind compute."""
-    return [[{"plugins": [], "set": {}}, {"plugins": [NAME], "set": {}}]]
+    """One lever: communication as the layout schedules it, or hidden behind compute, with
+    every block's gathered parameters freed after its forward or all kept to its backward
+    (no second gather, where the memory allows: the plan counts both)."""
+    key = f"{NAME}.reshard_after_forward"
+    return [[{"plugins": [], "set": {}}, {"plugins": [NAME], "set": {key: "all"}},
+             {"plugins": [NAME], "set": {key: "none"}}]]  # fmt: skip
 
 
 @hookimpl

@@ -278,7 +278,7 @@ def europa_plan(job: PlanningJob, plan: dict[str, Any]) -> None:
     * ``overlapped_kinds``: the communication kinds this plugin runs beside compute;
     * ``reshard_after_forward``: which blocks keep their gathered parameters from forward
       to backward (``europa.spec.layout.RESHARD_POLICIES``; default ``"all"``: none kept),
-      counted in the device memory.
+      counted in the device memory, and gathered once a micro-batch instead of twice.
 
     Any other key a plugin adds (its own name, by convention) is reported as is.
     ``europa import-hf`` reads the same layout for the bytes each rank would read."""

@@ -27,6 +27,7 @@ from europa.core.plan.memory import (
     HostOffload,
     RankState,
     activations,
+    kept_blocks,
     transient_buffers,
     unique_state_bytes,
 )
@@ -290,6 +291,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         micro_batches=training.grad_accum_steps,
         host_bytes_per_micro_batch=acts.host,
         host_optimizer_bytes=optimizer_on_host,
+        kept_blocks=kept_blocks(layout["gathered_unit_elements"], kept_gathered),
     )
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
     write_s = write_seconds(checkpoint, world_size // per_node, per_node,

@@ -9,6 +9,7 @@ inter-node one (ranks are numbered node by node; the mesh is
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from europa.spec.layout import STEP
@@ -67,15 +68,19 @@ def step_traffic(
     micro_batches: int,
     host_bytes_per_micro_batch: int,
     host_optimizer_bytes: int,
+    kept_blocks: Collection[str] = (),
 ) -> list[Traffic]:
+    """``kept_blocks``: the blocks that keep their gathered parameters from forward to
+    backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch."""
     group = layout["gather_group_size"]
     shard_link = contiguous_link(group, gpus_per_node)
     # What each gather and reduce-scatter moves: the unit, or its padded rows where the
     # ranks' shares differ (FlexShard's whole matrices).
     units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
-    # Blocks are gathered for forward and again for backward; the root stays
-    # gathered between the two.
-    passes = sum(n * (1 if unit == "<root>" else 2) for unit, n in units.items())
+    # Blocks are gathered for forward and again for backward, unless kept between the
+    # two; the root stays gathered between the two.
+    once = {"<root>", *kept_blocks}
+    passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
     gathered = passes * compute_bytes * ring_share(group) * micro_batches
     reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
     stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
