@@ -289,7 +289,7 @@ def test_blocks_kept_gathered_to_backward_are_counted_whole(sizes, root, compute
     gathered = {}
     for policy in ("all", "all_but_last", "none"):
         layout = {"gathered_unit_elements": units}
-        terms = transient_buffers(layout, compute_bytes, 4, 0, policy)
+        terms = transient_buffers(layout, compute_bytes, 4, 0, kept_blocks(units, policy))
         gathered[policy] = terms["gathered_parameters"] // compute_bytes
     assert kept_blocks(units, "all") == []
     assert kept_blocks(units, "all_but_last") == [f"layers.{len(sizes) - 1}"]

@@ -172,7 +172,8 @@ class GatherUnit:
         self.reduce_scatter_async = False
         self.forward_prefetch: list[GatherUnit] = []
         self.backward_prefetch: list[GatherUnit] = []
-        self._pending: tuple[torch.Tensor, torch.Tensor, dist.Work] | None = None
+        # An all-gather in flight: (rows, this rank's pieces for unpack or None, its work).
+        self._pending: tuple[torch.Tensor, tuple | None, dist.Work] | None = None
         self._replicas_pending = False  # local gradients not yet summed over the replicas
         # > 0: in that backward since the last replica sum (the last micro-batch's), the sum
         # over the replicas is issued as soon as this unit's share lands (``_sum_replicas_now``).
@@ -308,11 +309,12 @@ class GatherUnit:
 
     def _per_slot(self, sums: Sequence[torch.Tensor], dtype, device) -> list[torch.Tensor]:
         """The owned pieces' sums placed by slot; an empty share where this rank owns none."""
-        g, owned = self.groups, iter(sums)
+        rank, segments = self.groups.rank, self.segments
+        by_slot = dict(zip(segments.owned_slots(rank), sums, strict=True))
         return [
-            next(owned) if counts[g.rank] else
-            torch.empty(self.segments.local_shape(g.rank, slot), dtype=dtype, device=device)
-            for slot, counts in enumerate(self.segments.counts)
+            by_slot[slot] if slot in by_slot else
+            torch.empty(segments.local_shape(rank, slot), dtype=dtype, device=device)
+            for slot in range(len(segments.specs))
         ]  # fmt: skip
 
     def _finish_reduce_scatter(self, pending: Callable[[], list[torch.Tensor]]):

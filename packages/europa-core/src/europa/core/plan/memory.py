@@ -11,6 +11,7 @@ workspace) are estimates of the largest moment, not measured.
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
@@ -139,16 +140,15 @@ def transient_buffers(
     compute_bytes: int,
     reduce_bytes: int,
     expert_buffer_bytes: int,
-    reshard_after_forward: str = "all",
+    kept: Collection[str] = (),
 ) -> dict[str, int]:
     """The gathered parameters: the largest unit in use and the next one prefetched, or,
-    where more, the blocks kept from forward to backward (``reshard_after_forward``) and
+    where more, the blocks kept from forward to backward (``kept``: ``kept_blocks``) and
     the largest other unit (the root, or one prefetched); the largest unit's unsharded
     gradient and reduce-scatter input, the expert all-to-all buffers of one layer, and
     Muon's gathered matrix in ``optimizer.step()``."""
     units = layout["gathered_unit_elements"]
     largest = max(units.values(), default=0)
-    kept = kept_blocks(units, reshard_after_forward)
     others = max((n for u, n in units.items() if u not in kept), default=0)
     gradient = largest * compute_bytes + (
         largest * reduce_bytes if reduce_bytes != compute_bytes else 0

@@ -259,7 +259,8 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     staging = {STAGING: stage if config.checkpoint.mode == "async" else 0}
     # A CPU rank's "host" buffers are the RAM its device memory already names.
     device_staging, host_staging = (staging, {}) if hardware.device == "cpu" else ({}, staging)
-    kept_gathered = plan.get("reshard_after_forward", "all")  # blocks kept to backward
+    units = layout["gathered_unit_elements"]
+    kept_gathered = kept_blocks(units, plan.get("reshard_after_forward", "all"))
     expert_buffers = 0
     if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
         expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
@@ -291,7 +292,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         micro_batches=training.grad_accum_steps,
         host_bytes_per_micro_batch=acts.host,
         host_optimizer_bytes=optimizer_on_host,
-        kept_blocks=kept_blocks(layout["gathered_unit_elements"], kept_gathered),
+        kept_blocks=kept_gathered,
     )
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
     write_s = write_seconds(checkpoint, world_size // per_node, per_node,

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from europa.spec.layout import STEP
+from europa.spec.layout import ROOT_UNIT, STEP
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
 
@@ -79,7 +79,7 @@ def step_traffic(
     units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
     # Blocks are gathered for forward and again for backward, unless kept between the
     # two; the root stays gathered between the two.
-    once = {"<root>", *kept_blocks}
+    once = {ROOT_UNIT, *kept_blocks}
     passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
     gathered = passes * compute_bytes * ring_share(group) * micro_batches
     reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
