@@ -111,12 +111,15 @@ def worker(args) -> None:
 # -- the parent ---------------------------------------------------------------------------
 
 
+def _ranks_per_node(link: str) -> int:
+    return 1 if link == "emulated" else 2  # a namespace stands for a node
+
+
 def _launch(args, out: Path, link: str) -> None:
     procs = []
-    per_node = "1" if link == "emulated" else "2"  # a namespace stands for a node
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=per_node, MASTER_PORT=str(PORT))  # fmt: skip
+                   LOCAL_WORLD_SIZE=str(_ranks_per_node(link)), MASTER_PORT=str(PORT))  # fmt: skip
         cmd = [sys.executable, __file__, "--worker", "--out", str(out), *_forwarded(args)]
         if link == "emulated":
             env.update(NODES.environment(rank))
@@ -205,7 +208,7 @@ def main() -> None:
         "ranks": 2,
         "plugins": ["flexshard", "overlap"],
         "settings": [f"parallel.ep={args.ep}", 'parallel.ep_dispatch="flat"', *args.set],
-        "ranks_per_node": 1 if link == "emulated" else 2,
+        "ranks_per_node": _ranks_per_node(link),
         "steps": args.steps,
         "link": link,
         "link_detail": (
