@@ -59,7 +59,7 @@ link_efficiency = 0.8
         (lambda t: t.replace('device = "cuda"', 'device = "tpu"'), "device = 'tpu'"),
         (lambda t: t.replace("matmul_efficiency = 0.5\n", ""), "missing key 'matmul_efficiency'"),
         (lambda t: t.replace("bfloat16 = 100.0, ", ""), "peak_tflops"),
-        (lambda t: t + "[[", "not valid TOML"),
+        (lambda t: t + "[[", "invalid TOML"),
     ],
 )
 def test_a_bad_profile_is_refused_in_one_line(tmp_path, edit, words):

@@ -44,8 +44,8 @@ def _read_preset(name: str) -> dict[str, Any]:
 
 @functools.cache
 def _parsed_preset(name: str) -> dict[str, Any]:
-    text = resources.files("europa.core.config.presets").joinpath(f"{name}.toml").read_text()
-    return toml.loads(text)
+    data = resources.files("europa.core.config.presets").joinpath(f"{name}.toml").read_bytes()
+    return toml.from_bytes(data, f"preset = {show(name)}")
 
 
 def read_toml_file(path: str | Path) -> dict[str, Any]:
@@ -53,24 +53,7 @@ def read_toml_file(path: str | Path) -> dict[str, Any]:
     shown = show(str(path))
     if not path.is_file():
         raise ConfigError(f"config = {shown}: expected a TOML file or a preset name")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except OSError as err:
-        raise ConfigError(
-            f"config = {shown}: cannot read ({err.strerror}); expected a readable TOML file"
-        ) from None
-    except UnicodeDecodeError as err:
-        raise ConfigError(
-            f"config = {shown}: byte {err.object[err.start]:#04x} at offset {err.start} is not "
-            "UTF-8; expected a TOML file (UTF-8 text)"
-        ) from None
-    try:
-        return toml.loads(text)
-    except (
-        toml.TOMLDecodeError,
-        RecursionError,
-    ) as err:  # nesting past its cap raises RecursionError
-        raise ConfigError(f"config = {shown}: invalid TOML ({err})") from None
+    return toml.read_file(path, f"config = {shown}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -85,6 +68,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
         value = toml.loads(f"v = {raw}")["v"]
     except toml.TOMLDecodeError:
         value = raw
+    except toml.IntegerRangeError as err:  # "v[2]" is the --set key's item 2
+        where = toml.dotted([key, *err.path[1:]])
+        raise ConfigError(f"{where} = {err.value}: expected {toml.INT64_WORDS}") from None
     except RecursionError as err:  # the cap on nested arrays and inline tables
         raise ConfigError(f"--set {show(key)}: {err}; expected a TOML value") from None
     return key.split("."), value

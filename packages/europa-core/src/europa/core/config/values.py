@@ -12,6 +12,7 @@ from dataclasses import Field
 from typing import Any
 
 from europa.core.config.fields import Bounds, bounds_of
+from europa.core.config.toml import INT64_MAX, INT64_MIN
 from europa.core.errors import ConfigError
 
 
@@ -116,10 +117,21 @@ def _is_utf8(value: Any) -> bool:
     return True
 
 
+def _fits_64_bits(value: Any) -> bool:
+    """What TOML, torch and numpy hold. A file or ``--set`` is refused past it when read
+    (``europa.core.config.toml``); this catches a config built in Python."""
+    if isinstance(value, list):
+        return all(_fits_64_bits(item) for item in value)
+    return not isinstance(value, int) or INT64_MIN <= value <= INT64_MAX
+
+
 def coerce(key: str, annotation: Any, field: Field, value: Any) -> Any:
     """Check one value; return it in the field's Python type or raise ConfigError."""
     if not _matches_type(annotation, value) or not _within_bounds(bounds_of(field), value):
         raise fail(key, value, describe(annotation, field))
+    if not _fits_64_bits(value):
+        expected = f"{describe(annotation, field)} within 64 bits ({INT64_MIN} to {INT64_MAX})"
+        raise fail(key, value, expected)
     if not _is_utf8(value):
         raise fail(key, value, "UTF-8 text (config.toml stores it)")
     if annotation is float:

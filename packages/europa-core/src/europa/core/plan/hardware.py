@@ -87,22 +87,20 @@ def shipped_profiles() -> list[str]:
 
 def load_profile(name_or_path: str) -> HardwareProfile:
     """A shipped profile by name, or a TOML file by path."""
+    label = f"--hardware = {name_or_path!r}"
     if name_or_path.endswith(".toml") or os.sep in name_or_path:
         path = Path(name_or_path)
         if not path.is_file():
-            raise ConfigError(f"--hardware = {name_or_path!r}: no such file; expected a TOML file")
-        text = path.read_text()
+            raise ConfigError(f"{label}: no such file; expected a TOML file")
+        table = toml.read_file(path, label)
     else:
         if name_or_path not in shipped_profiles():
             raise ConfigError(
-                f"--hardware = {name_or_path!r}: unknown profile; expected one of "
+                f"{label}: unknown profile; expected one of "
                 f"{', '.join(shipped_profiles())} or a path to a .toml file"
             )
-        text = resources.files(_SHIPPED).joinpath(f"{name_or_path}.toml").read_text()
-    try:
-        table = toml.loads(text)
-    except (toml.TOMLDecodeError, RecursionError) as err:
-        raise ConfigError(f"--hardware = {name_or_path!r}: not valid TOML ({err})") from None
+        data = resources.files(_SHIPPED).joinpath(f"{name_or_path}.toml").read_bytes()
+        table = toml.from_bytes(data, label)
     return profile_from_table(table, name_or_path)
 
 
