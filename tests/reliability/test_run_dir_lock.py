@@ -15,13 +15,17 @@ from pathlib import Path
 
 import pytest
 
+from europa.cli.app import run
 from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.launch.lock import RunDirLock
 from europa.core.launch.progress import read_progress
 from europa.core.run_dir import LOCK_FILE
 
-STEPS = 40
-TRAIN = [sys.executable, "-m", "europa.cli", "train", "tiny", "--set", "metrics.progress=false"]
+from .conftest import europa_env
+
+STEPS = 6
+QUIET = ["--set", "metrics.progress=false"]
+TRAIN = [sys.executable, "-m", "europa.cli", "train", "tiny", *QUIET]
 
 
 def _records(run_dir) -> list[dict]:
@@ -31,35 +35,45 @@ def _records(run_dir) -> list[dict]:
 
 
 @pytest.mark.distributed
-def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_goes_on(tmp_path):
+def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_goes_on(
+    tmp_path, fault_plugin_dir, capsys
+):
+    """The first training is held inside its save of step 3 (the fault plugin waits there
+    for a file) while the second ones are refused, so it is live whatever the machine's
+    speed; released, it trains its last steps as the same training alone does."""
     run_dir, alone = tmp_path / "live", tmp_path / "alone"
-    run = ["--set", f"training.steps={STEPS}", "--set", "checkpoint.every=10"]
+    env = europa_env(fault_plugin_dir)
+    same = ["-p", "faults", "--set", f"training.steps={STEPS}", "--set", "checkpoint.every=3"]
     first = subprocess.Popen(
-        [*TRAIN, "--run-dir", str(run_dir), *run],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [*TRAIN, "--run-dir", str(run_dir), *same, "--set", "faults.hold_saves=true"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     # the same training in a directory of its own, beside it: what undisturbed looks like
     reference = subprocess.Popen(
-        [*TRAIN, "--run-dir", str(alone), *run],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [*TRAIN, "--run-dir", str(alone), *same],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120
-        while not _records(run_dir):
+        while not any(run_dir.glob("holding-save-rank-*")):
             assert first.poll() is None, first.stderr.read()
-            assert time.monotonic() < deadline, "the first training logged no step"
-            time.sleep(0.2)
+            assert time.monotonic() < deadline, "the first training reached no save"
+            time.sleep(0.1)
+        assert _records(run_dir), "the first training logged no step"
         holder = f"pid {first.pid} on host {socket.gethostname()}"
         for extra in (["--resume"], []):  # continuing it, or starting over in it
-            second = subprocess.run([*TRAIN, "--run-dir", str(run_dir), *extra],
-                                    capture_output=True, text=True, timeout=120)  # fmt: skip
-            assert second.returncode == 2, second.stderr
-            assert second.stderr.count("\n") == 1 and "Traceback" not in second.stderr
-            assert "a training is using it" in second.stderr and holder in second.stderr
+            capsys.readouterr()
+            assert run(["train", "tiny", "--run-dir", str(run_dir), *QUIET, *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "Traceback" not in err, err
+            assert "a training is using it" in err and holder in err
             assert first.poll() is None, "the first training stopped"
+        (run_dir / "release").touch()
         assert first.wait(timeout=300) == 0, first.stderr.read()
         assert reference.wait(timeout=300) == 0
     finally:
+        if run_dir.is_dir():
+            (run_dir / "release").touch()
         for process in (first, reference):
             if process.poll() is None:
                 process.kill()
@@ -98,10 +112,8 @@ def test_a_training_killed_with_sigkill_can_be_resumed_at_once(tmp_path):
         assert time.monotonic() < deadline, "the workers outlived their launcher"
         time.sleep(0.1)
     newest = complete_checkpoints(run_dir)[-1][0]
-    resumed = subprocess.run([*TRAIN, "--resume", "--run-dir", str(run_dir),
-                              "--set", f"training.steps={newest + 2}"],
-                             capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
+    resume = ["train", "tiny", "--resume", "--run-dir", str(run_dir), *QUIET]
+    assert run([*resume, "--set", f"training.steps={newest + 2}"]) == 0
     assert [r["step"] for r in _records(run_dir)] == list(range(1, newest + 3))
 
 
