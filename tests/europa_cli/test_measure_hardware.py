@@ -40,6 +40,11 @@ def test_the_measured_profile_has_the_shipped_keys_and_plans(measured, capsys):
     assert set(collectives) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
     assert all(0 < share <= 1 for share in collectives.values())
     assert profile.inter_node_gbps == shipped.inter_node_gbps  # one node: not measured
+    # Host copies each way; on CPU one copy between host buffers, the same both ways.
+    assert profile.host_to_device_gbps > 0 and profile.device_to_host_gbps > 0
+    assert profile.host_to_device_gbps == profile.device_to_host_gbps
+    assert profile.host_device_gbps == pytest.approx(profile.host_to_device_gbps, abs=1e-3)
+    assert profile.host_to_device_efficiency == profile.device_to_host_efficiency == 1.0
     assert "inter_node: one node, kept from the base profile" in measured.read_text()
     assert set(vars(shipped)) == set(vars(profile))
     assert run(["plan", "tiny", "--hardware", str(measured), "--nodes", "1"]) == 0

@@ -212,7 +212,8 @@ def test_an_async_save_stages_the_ranks_own_state_in_host_memory(replicas):
     assert sync.checkpoint_staging_bytes == sync.host_terms["checkpoint_staging"] == 0
     assert sync.checkpoint_stage_bytes == held  # what async would stage, for the comparison
     assert held >= plan.checkpoint_bytes / plan.world_size  # each rank's share, copies and all
-    assert plan.checkpoint_stage_s == pytest.approx(held / (450e9 * 0.7))  # NVLink-C2C
+    # a copy out of the GPU, at GH200's measured device-to-host rate (170 GB/s), not C2C's peak
+    assert plan.checkpoint_stage_s == pytest.approx(held / 170e9)
     assert plan_json(plan)["checkpoint"]["staging_bytes_per_rank"] == held
     cpu = _debug_plan(['checkpoint.mode="async"'], hardware="cpu", ranks=2)
     assert "checkpoint_staging" not in cpu.host_terms  # a CPU rank's host is its RAM

@@ -3,6 +3,12 @@
 Shipped profiles live beside this file (``profiles/<name>.toml``); a user's own
 is any TOML file with the same keys. Bandwidths are GB/s per GPU in one
 direction; memory is GiB per GPU.
+
+The host-device link is planned one direction at a time: ``host_to_device`` (offloaded
+tensors brought back) and ``device_to_host`` (offloaded tensors and checkpoint staging
+copied out). Each takes its own ``*_gbps`` and ``*_efficiency`` where the profile gives
+them, else ``host_device_gbps`` and ``host_device_efficiency`` (else ``link_efficiency``),
+so a profile with one figure for both ways plans as it always did.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from europa.core.errors import ConfigError
 from europa.spec.units import GIB
 
 _SHIPPED = "europa.core.plan.profiles"
+HOST_TO_DEVICE, DEVICE_TO_HOST = "host_to_device", "device_to_host"
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
@@ -47,12 +54,23 @@ class HardwareProfile:
     inter_node_collectives: dict[str, float] | None = None
     # GB/s one node writes to the file system checkpoints go to (where known)
     filesystem_gbps: float | None = None
+    # The host-device link one direction at a time, where the two differ (GB/s per GPU);
+    # unset, a direction takes host_device_gbps and host_device_efficiency.
+    host_to_device_gbps: float | None = None
+    device_to_host_gbps: float | None = None
+    host_to_device_efficiency: float | None = None
+    device_to_host_efficiency: float | None = None
 
     def bandwidth(self, link: str, collective: str | None = None) -> float:
-        """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device"),
-        its efficiency (for ``collective``, where the profile has one) applied."""
-        peak = getattr(self, f"{link}_gbps") * 1e9
+        """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device",
+        "host_to_device", "device_to_host"), its efficiency (for ``collective``, where the
+        profile has one) applied."""
+        peak = getattr(self, f"{link}_gbps")
         efficiency = getattr(self, f"{link}_efficiency")
+        if link in (HOST_TO_DEVICE, DEVICE_TO_HOST):  # unset: the link's, both ways
+            peak = self.host_device_gbps if peak is None else peak
+            efficiency = self.host_device_efficiency if efficiency is None else efficiency
+        peak *= 1e9
         by_collective = getattr(self, f"{link}_collectives", None) or {}
         if collective in by_collective:
             efficiency = by_collective[collective]

@@ -18,8 +18,10 @@ Design note. A shipped profile holds vendor peaks and the share of them a step g
   ``intra_node`` is measured among the ranks of this node; ``inter_node`` among one
   rank per node when the launcher started several nodes, else kept from the base
   profile (and the file says so).
-* ``host_device_gbps``: pinned host-to-device and back on CUDA, a copy between two
-  host buffers on CPU.
+* ``host_to_device_gbps`` and ``device_to_host_gbps``: pinned-memory copies each way on
+  CUDA (a GH200's differ 2.5-fold), and ``host_device_gbps`` the two together (bytes over
+  the mean of the two times); on CPU one copy between two host buffers, all three the
+  same. Their efficiencies are 1.0: the copies measured are the ones offload makes.
 
 Every rank takes part in the collectives; rank 0 writes the file.
 """
@@ -56,6 +58,8 @@ class Measured:
     model_step: dict[str, float] = field(default_factory=dict)
     links: dict[str, dict[str, dict[str, float]]] = field(default_factory=dict)
     host_device_gbps: float = 0.0
+    host_to_device_gbps: float = 0.0
+    device_to_host_gbps: float = 0.0
     notes: list[str] = field(default_factory=list)
 
 
@@ -206,17 +210,19 @@ def link_figures(measured: dict) -> tuple[float, float, dict[str, float]]:
     return peak, statistics.mean(each.values()), each
 
 
-def measure_host_device(device, sync) -> float:
+def measure_host_device(device, sync) -> tuple[float, float]:
+    """GB/s (host to device, device to host)."""
     nbytes = LARGE_MESSAGE
     if device.type == "cuda":
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
         there = timed(lambda: dev.copy_(host, non_blocking=True), sync)
         back = timed(lambda: host.copy_(dev, non_blocking=True), sync)
-        return nbytes / statistics.mean([there, back]) / 1e9
+        return nbytes / there / 1e9, nbytes / back / 1e9
     a = torch.empty(nbytes, dtype=torch.uint8)
     b = torch.empty(nbytes, dtype=torch.uint8)
-    return nbytes / timed(lambda: b.copy_(a), sync) / 1e9
+    copy = nbytes / timed(lambda: b.copy_(a), sync) / 1e9  # one memory: both ways alike
+    return copy, copy
 
 
 def step_message_bytes(shapes: ModelShapes, config) -> dict[str, int]:
@@ -278,7 +284,9 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
         profile[f"{link}_gbps"] = round(gbps, 4)
         profile[f"{link}_efficiency"] = round(efficiency, 4)
         profile[f"{link}_collectives"] = each
-    found.host_device_gbps = measure_host_device(device, sync)
+    there, back = measure_host_device(device, sync)
+    found.host_to_device_gbps, found.device_to_host_gbps = there, back
+    found.host_device_gbps = 2 / (1 / there + 1 / back)  # bytes over the mean time
     device_gib, host_gib = _memory(device)
     dtype = training.dtype
     rates = found.gemm_tflops
@@ -289,7 +297,12 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
         "peak_tflops": {k: round(v["peak"], 6) for k, v in rates.items()},
         "matmul_efficiency": round(min(1.0, found.model_step["tflops"] / rates[dtype]["peak"]), 4),
         "host_device_gbps": round(found.host_device_gbps, 3),
-        "host_device_efficiency": 1.0,  # the copy measured is the one offload makes
+        "host_to_device_gbps": round(there, 3),
+        "device_to_host_gbps": round(back, 3),
+        # the copies measured are the ones offload makes (the base's are replaced)
+        "host_device_efficiency": 1.0,
+        "host_to_device_efficiency": 1.0,
+        "device_to_host_efficiency": 1.0,
     }
     measured = dataclasses.replace(base, **profile)
     return _agreed(measured), found

@@ -20,7 +20,7 @@ from europa.core.job import Job
 from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
 from europa.core.plan.checkpoint import lost_per_save, write_seconds
-from europa.core.plan.hardware import HardwareProfile
+from europa.core.plan.hardware import DEVICE_TO_HOST, HardwareProfile
 from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
     Activations,
@@ -341,7 +341,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         checkpoint_bytes=checkpoint,
         checkpoint_write_s=write_s,
         checkpoint_stage_bytes=stage,
-        checkpoint_stage_s=stage / hardware.bandwidth("host_device"),
+        checkpoint_stage_s=stage / hardware.bandwidth(DEVICE_TO_HOST),  # a copy out
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

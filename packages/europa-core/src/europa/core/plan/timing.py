@@ -16,6 +16,10 @@ once a step (FlexShard's copies) run beside the last micro-batch's backward only
 the one of the gradient that completes last after it. On CPU
 ranks nothing overlaps: gloo moves the bytes with the same cores that compute
 (``benchmarks/plan_accuracy.py`` measures it).
+
+Host copies are timed one direction at a time, each at its own rate, and their seconds
+add up against one budget, the host link's: offload copies out during forward and back
+during backward, and the plan does not count on the two directions running at once.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from europa.core.config.schema import ModelConfig
+from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.traffic import Traffic
+from europa.core.plan.traffic import HOST, Traffic
 from europa.spec.layout import LAST_BACKWARD
 
 LAYOUT_OVERLAPPED = (
@@ -33,6 +38,8 @@ LAYOUT_OVERLAPPED = (
     "gradient_replica_all_reduce",
     "expert_gradient_all_reduce",
 )
+# Links whose overlapped seconds add up against one budget (above).
+BUDGET = {HOST_TO_DEVICE: HOST, DEVICE_TO_HOST: HOST}
 
 
 def matmul_parameters_per_token(shapes: ModelShapes, m: ModelConfig) -> int:
@@ -82,7 +89,7 @@ def step_time(
     exposed = 0.0
     for t in traffic:
         if t.overlappable and t.kind in overlapped_kinds:
-            link = per_link.setdefault(t.link, [0.0, 0.0, 0.0])
+            link = per_link.setdefault(BUDGET.get(t.link, t.link), [0.0, 0.0, 0.0])
             link[0] += seconds[t.kind, t.link]
             if t.window == LAST_BACKWARD:
                 link[1] += seconds[t.kind, t.link]

@@ -4,7 +4,8 @@ Ring collectives: an all-gather or reduce-scatter over ``n`` ranks of a
 ``b``-byte tensor sends ``b·(n-1)/n`` from each rank; an all-reduce twice that.
 A group whose ranks all sit on one node uses the intra-node link, any other the
 inter-node one (ranks are numbered node by node; the mesh is
-``[dp_replicate, dp_shard, ep]``, ``ep`` innermost).
+``[dp_replicate, dp_shard, ep]``, ``ep`` innermost). Host copies are two records, one a
+direction (``device_to_host`` out, ``host_to_device`` back), each timed at its own rate.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.spec.layout import ROOT_UNIT, STEP
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
@@ -124,11 +126,16 @@ def step_traffic(
         ),
         *(Traffic("expert_all_to_all", link, int(n), True) for link, n in experts.items()),
         Traffic("optimizer_step", shard_link, int(step_gather), False),
-        Traffic(
-            "host_copies",
-            HOST,
-            2 * host_bytes_per_micro_batch * micro_batches + 2 * host_optimizer_bytes,
-            True,
+        # Offloaded activations go out once and come back once a micro-batch; offloaded
+        # optimizer state once each way a step. The same bytes each way, at each way's rate.
+        *(
+            Traffic(
+                "host_copies",
+                direction,
+                host_bytes_per_micro_batch * micro_batches + host_optimizer_bytes,
+                True,
+            )
+            for direction in (DEVICE_TO_HOST, HOST_TO_DEVICE)
         ),
     ]
     return [t for t in out if t.bytes_per_step]
