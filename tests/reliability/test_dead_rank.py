@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from europa.cli.app import run
 from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.launch.progress import read_progress
 
@@ -20,34 +21,51 @@ from .conftest import (
     europa_env,
     last_line,
     records,
-    run_europa,
     start_training,
     wait_for,
 )
 
 
+@pytest.fixture
+def faults_here(on_path, monkeypatch):
+    """``europa train -p faults`` in the test process: the plugin importable here and in
+    the workers it starts. Commands that need no process of their own run here, saving an
+    interpreter's start and imports each."""
+    monkeypatch.setenv("PYTHONPATH", europa_env(on_path)["PYTHONPATH"])
+    return on_path
+
+
+def _run_here(capfd, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``europa *args`` run in this process; the workers' output
+    is on the same file descriptor."""
+    capfd.readouterr()
+    code = run(list(args))
+    return code, capfd.readouterr().err
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp2_rank_killed_in_a_save_then_the_resumed_run_stopped_by_ctrl_c_twice(
-    tmp_path, fault_plugin_dir
+    tmp_path, faults_here, capfd
 ):
     """One run directory, three launches: rank 1 is killed inside the save of step 4 (the
     launcher names it; step 2 stays the newest checkpoint); the resume is stopped by a
     first Ctrl-C (step, checkpoint, resume command); the next resume is stopped by a second
     Ctrl-C while the workers save (every process gone at once, the checkpoints kept)."""
-    env, run_dir = europa_env(fault_plugin_dir), tmp_path / "run"
+    env, run_dir = europa_env(faults_here), tmp_path / "run"
     began = time.monotonic()
-    killed = run_europa(env, "train", "--nproc", "2", "-p", "faults", "--run-dir", str(run_dir),
-                        "--set", "training.steps=100000", "--set", "checkpoint.every=2",
-                        "--set", "faults.kill_in_save_of_step=4", *QUIET)  # fmt: skip
+    code, err = _run_here(capfd, "train", "--nproc", "2", "-p", "faults", "--run-dir",
+                          str(run_dir), "--set", "training.steps=100000",
+                          "--set", "checkpoint.every=2", "--set", "faults.kill_in_save_of_step=4",
+                          *QUIET)  # fmt: skip
     assert time.monotonic() - began < 60
-    assert killed.returncode == 128 + 9, killed.stderr
-    assert last_line(killed.stderr) == (
+    assert code == 128 + 9, err
+    assert last_line(err) == (
         "europa: error: worker rank 1 was killed by SIGKILL while saving the checkpoint of "
         "step 4; the newest complete checkpoint is step-00000002; continue with: "
         f"europa train --resume --run-dir {run_dir}"
     )
-    assert "Traceback" not in killed.stderr
+    assert "Traceback" not in err
     assert [step for step, _ in complete_checkpoints(run_dir)] == [2]
     assert (run_dir / "checkpoints" / ".step-00000004.partial").is_dir()
 
@@ -88,19 +106,19 @@ def test_fsdp2_rank_killed_in_a_save_then_the_resumed_run_stopped_by_ctrl_c_twic
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, fault_plugin_dir):
+def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, faults_here, capfd):
     """Rank 1 raises at step 3: the launcher names it. Then the newest checkpoint is
     truncated: --resume refuses naming it; --resume-from-older continues from step 1."""
-    env, run_dir = europa_env(fault_plugin_dir), tmp_path / "run"
+    run_dir = tmp_path / "run"
     began = time.monotonic()
-    failed = run_europa(env, "train", "--nproc", "2", "-p", "faults", "-p", "flexshard",
-                        "--run-dir", str(run_dir), "--set", "training.steps=3",
-                        "--set", "checkpoint.every=1", "--set", "faults.raise_at_step=3",
-                        *QUIET)  # fmt: skip
+    code, err = _run_here(capfd, "train", "--nproc", "2", "-p", "faults", "-p", "flexshard",
+                          "--run-dir", str(run_dir), "--set", "training.steps=3",
+                          "--set", "checkpoint.every=1", "--set", "faults.raise_at_step=3",
+                          *QUIET)  # fmt: skip
     assert time.monotonic() - began < 60
-    assert failed.returncode == 1, failed.stderr
-    assert "RuntimeError: injected fault at step 3" in failed.stderr  # the rank's own traceback
-    assert last_line(failed.stderr) == (
+    assert code == 1, err
+    assert "RuntimeError: injected fault at step 3" in err  # the rank's own traceback
+    assert last_line(err) == (
         "europa: error: worker rank 1 exited with code 1 (its error is printed above) at "
         "step 3; the newest complete checkpoint is step-00000002; continue with: "
         f"europa train --resume --run-dir {run_dir}"
@@ -111,18 +129,18 @@ def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, 
     size = shard.stat().st_size
     with shard.open("r+b") as file:
         file.truncate(size // 2)
-    refused = run_europa(env, "train", "--resume", "--run-dir", str(run_dir))
-    assert refused.returncode == 2
-    assert refused.stderr.strip() == (
+    code, err = _run_here(capfd, "train", "--resume", "--run-dir", str(run_dir))
+    assert code == 2
+    assert err.strip() == (
         f"europa: error: --resume: checkpoint {str(newest)!r} is damaged (its file "
         f"{shard.name} has {size // 2} bytes, {size} when saved); expected an intact "
         "checkpoint: add --resume-from-older to continue from step-00000001, the newest "
         "intact one"
     )
 
-    resumed = run_europa(env, "train", "--resume", "--resume-from-older", "--run-dir",
-                         str(run_dir), "--set", "faults.raise_at_step=0")  # fmt: skip
-    assert resumed.returncode == 0, resumed.stderr
-    assert "europa: step-00000002 is damaged; resuming from step-00000001" in resumed.stderr
+    code, err = _run_here(capfd, "train", "--resume", "--resume-from-older", "--run-dir",
+                          str(run_dir), "--set", "faults.raise_at_step=0")  # fmt: skip
+    assert code == 0, err
+    assert "europa: step-00000002 is damaged; resuming from step-00000001" in err
     assert [r["step"] for r in records(run_dir)] == [1, 2, 3]
     assert [step for step, _ in complete_checkpoints(run_dir)] == [2, 3]
