@@ -38,6 +38,14 @@ def on_path(fault_plugin_dir):
     sys.path.remove(str(fault_plugin_dir))
 
 
+@pytest.fixture
+def faults_here(on_path, monkeypatch) -> Path:
+    """``europa train -p faults`` in the test process (``run_here``): the plugin importable
+    here and in the workers the launcher starts."""
+    monkeypatch.setenv("PYTHONPATH", europa_env(on_path)["PYTHONPATH"])
+    return on_path
+
+
 def europa_env(fault_plugin_dir: Path) -> dict[str, str]:
     path = os.pathsep.join(filter(None, [str(fault_plugin_dir), os.environ.get("PYTHONPATH")]))
     return {**os.environ, "PYTHONPATH": path}
@@ -51,6 +59,18 @@ def run_europa(env, *args: str, timeout: float = 120) -> subprocess.CompletedPro
     return subprocess.run(
         europa_command(*args), env=env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def run_here(capfd, *args: str) -> tuple[int, str]:
+    """(exit code, stderr) of ``europa *args`` run in this process, as the console script
+    runs it (``europa.cli.app.run``), without an interpreter's start and imports; the
+    workers it launches write to the same file descriptor. For commands the test sends no
+    signal to."""
+    from europa.cli.app import run
+
+    capfd.readouterr()
+    code = run(list(args))
+    return code, capfd.readouterr().err
 
 
 def records(run_dir: Path) -> list[dict]:

@@ -11,7 +11,6 @@ import time
 
 import pytest
 
-from europa.cli.app import run
 from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.launch.progress import read_progress
 
@@ -21,26 +20,10 @@ from .conftest import (
     europa_env,
     last_line,
     records,
+    run_here,
     start_training,
     wait_for,
 )
-
-
-@pytest.fixture
-def faults_here(on_path, monkeypatch):
-    """``europa train -p faults`` in the test process: the plugin importable here and in
-    the workers it starts. Commands that need no process of their own run here, saving an
-    interpreter's start and imports each."""
-    monkeypatch.setenv("PYTHONPATH", europa_env(on_path)["PYTHONPATH"])
-    return on_path
-
-
-def _run_here(capfd, *args: str) -> tuple[int, str]:
-    """(exit code, stderr) of ``europa *args`` run in this process; the workers' output
-    is on the same file descriptor."""
-    capfd.readouterr()
-    code = run(list(args))
-    return code, capfd.readouterr().err
 
 
 @pytest.mark.distributed
@@ -54,7 +37,7 @@ def test_fsdp2_rank_killed_in_a_save_then_the_resumed_run_stopped_by_ctrl_c_twic
     Ctrl-C while the workers save (every process gone at once, the checkpoints kept)."""
     env, run_dir = europa_env(faults_here), tmp_path / "run"
     began = time.monotonic()
-    code, err = _run_here(capfd, "train", "--nproc", "2", "-p", "faults", "--run-dir",
+    code, err = run_here(capfd, "train", "--nproc", "2", "-p", "faults", "--run-dir",
                           str(run_dir), "--set", "training.steps=100000",
                           "--set", "checkpoint.every=2", "--set", "faults.kill_in_save_of_step=4",
                           *QUIET)  # fmt: skip
@@ -111,7 +94,7 @@ def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, 
     truncated: --resume refuses naming it; --resume-from-older continues from step 1."""
     run_dir = tmp_path / "run"
     began = time.monotonic()
-    code, err = _run_here(capfd, "train", "--nproc", "2", "-p", "faults", "-p", "flexshard",
+    code, err = run_here(capfd, "train", "--nproc", "2", "-p", "faults", "-p", "flexshard",
                           "--run-dir", str(run_dir), "--set", "training.steps=3",
                           "--set", "checkpoint.every=1", "--set", "faults.raise_at_step=3",
                           *QUIET)  # fmt: skip
@@ -129,7 +112,7 @@ def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, 
     size = shard.stat().st_size
     with shard.open("r+b") as file:
         file.truncate(size // 2)
-    code, err = _run_here(capfd, "train", "--resume", "--run-dir", str(run_dir))
+    code, err = run_here(capfd, "train", "--resume", "--run-dir", str(run_dir))
     assert code == 2
     assert err.strip() == (
         f"europa: error: --resume: checkpoint {str(newest)!r} is damaged (its file "
@@ -138,7 +121,7 @@ def test_an_exception_on_one_flexshard_rank_then_a_damaged_checkpoint(tmp_path, 
         "intact one"
     )
 
-    code, err = _run_here(capfd, "train", "--resume", "--resume-from-older", "--run-dir",
+    code, err = run_here(capfd, "train", "--resume", "--resume-from-older", "--run-dir",
                           str(run_dir), "--set", "faults.raise_at_step=0")  # fmt: skip
     assert code == 0, err
     assert "europa: step-00000002 is damaged; resuming from step-00000001" in err

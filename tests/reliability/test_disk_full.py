@@ -9,7 +9,7 @@ import pytest
 
 from europa.core.checkpoint.store import complete_checkpoints, damage
 
-from .conftest import QUIET, europa_env, last_line, run_europa
+from .conftest import QUIET, last_line, run_here
 
 
 @pytest.fixture
@@ -29,19 +29,19 @@ def small_disk(tmp_path):
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_a_full_disk_during_a_save_fails_in_one_line_keeping_the_previous_checkpoint(
-    small_disk, fault_plugin_dir
+    small_disk, capfd
 ):
     run_dir = small_disk
-    full = run_europa(europa_env(fault_plugin_dir), "train", "--nproc", "2",
-                      "--run-dir", str(run_dir), "--set", "training.steps=3",
-                      "--set", "checkpoint.every=1", *QUIET)  # fmt: skip
-    assert full.returncode == 2, full.stderr
-    assert last_line(full.stderr) == (
+    code, err = run_here(capfd, "train", "--nproc", "2", "--run-dir", str(run_dir),
+                         "--set", "training.steps=3", "--set", "checkpoint.every=1",
+                         *QUIET)  # fmt: skip
+    assert code == 2, err
+    assert last_line(err) == (
         "europa: error: checkpoint of step 2: the disk is full (No space left on device); "
         f"the earlier checkpoints are intact: free space under '{run_dir}/checkpoints', then "
         f"continue with: europa train --resume --run-dir {run_dir}"
     )
-    assert "Traceback" not in full.stderr
+    assert "Traceback" not in err
     assert [step for step, _ in complete_checkpoints(run_dir)] == [1]
     assert damage(run_dir / "checkpoints" / "step-00000001") is None
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000001"]
