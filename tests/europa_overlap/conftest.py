@@ -9,12 +9,16 @@ from tests.conftest import run_ranks
 
 
 def _group_rank(rank: int, world: int, root: str) -> dict:
-    from tests.europa_overlap.test_experts import compare_rank
+    from tests.europa_overlap.test_experts import (
+        compare_rank,
+        held_shared_results_after_recomputation,
+    )
     from tests.europa_overlap.test_plugin import RUNS
     from tests.trainer_runs import train_runs
 
     return {
         "numerics": compare_rank(rank, world),
+        "held_shared_results": held_shared_results_after_recomputation(rank, world),
         "runs": train_runs(rank, world, root, RUNS),
     }
 

@@ -141,3 +141,28 @@ def compare_rank(rank: int, world: int) -> list[str]:
 def test_chunked_all_to_all_is_bit_identical_to_the_unchunked_layer(overlap_group):
     _, results = overlap_group  # compare_rank ran on each of 2 gloo ranks (conftest.py)
     assert [r["numerics"] for r in results] == [[], []]
+
+
+def held_shared_results_after_recomputation(rank: int, world: int) -> int:
+    """Shared experts still holding their early result after a checkpointed layer's
+    backward: torch's recomputation stops once it has what backward needs, before the
+    MoE layer asks for the shared result, which then must not be kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    case = CASES[0]
+    layer = _layer(case, rank, world, 2)
+    g = torch.Generator().manual_seed(rank)
+    tokens, top_k = case["tokens"][rank], case["top_k"]
+    x = torch.randn(1, tokens, DIM, generator=g, requires_grad=True)
+    scores = torch.rand(1, tokens, top_k, generator=g, requires_grad=True)
+    picks = [torch.randperm(case["experts"], generator=g)[:top_k] for _ in range(tokens)]
+    ids = torch.stack(picks).view(1, tokens, top_k).long()
+    out = checkpoint(layer, x, scores, ids, use_reentrant=False)
+    out.sum().backward()
+    return int(layer.shared_experts.forward._ready is not None)
+
+
+@pytest.mark.distributed
+def test_a_recomputed_layer_keeps_no_shared_expert_result(overlap_group):
+    _, results = overlap_group
+    assert [r["held_shared_results"] for r in results] == [0, 0]

@@ -45,6 +45,10 @@ class EarlySharedExpert:
         finally:
             self._computing = False
 
+    def discard(self) -> None:
+        """Drop a result computed early and never asked for."""
+        self._ready = None
+
     def __call__(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self._computing or args or kwargs:
             return self.original(x, *args, **kwargs)
@@ -74,12 +78,21 @@ class OverlappedRoutedExperts:
             x_BLD.view(B * L, D), topk_scores_BLK.view(-1, K), topk_expert_ids_BLK.view(-1, K),
             self.chunks,
         )  # fmt: skip
-        if self.shared is not None:
-            self.shared.compute(x_BLD)  # while the tokens travel
-        for c in range(routed.chunks):
-            rows, counts = routed.arrive(c)
-            routed.send_back(c, self.experts(rows, counts))
-        return routed.finish().view(B, -1, D)
+        try:
+            if self.shared is not None:
+                self.shared.compute(x_BLD)  # while the tokens travel
+            for c in range(routed.chunks):
+                rows, counts = routed.arrive(c)
+                routed.send_back(c, self.experts(rows, counts))
+            return routed.finish().view(B, -1, D)
+        except BaseException:
+            # A forward that stops here never asks for the shared expert's result: torch's
+            # activation checkpointing stops a recomputation as soon as it has what backward
+            # needs. Kept, the result would hold the block's recomputed graph until its next
+            # forward.
+            if self.shared is not None:
+                self.shared.discard()
+            raise
 
 
 def overlappable(module: nn.Module) -> bool:
