@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from europa.core.config.schema import EuropaConfig
+    from europa.spec.execution import Execution
 
 
 @dataclass
@@ -22,7 +23,8 @@ class Job:
     ``claims`` maps parameter name -> the plugin laying it out. ``state`` is
     where plugins keep per-run objects they share between their own hooks.
     ``optimizer`` is the optimizer core steps, once built (see
-    ``europa_wrap_optimizer``)."""
+    ``europa_wrap_optimizer``). ``execution`` is set when the rank's program runs on fake
+    tensors (``europa plan --execute``, ``europa.spec.execution``); None in a run."""
 
     config: EuropaConfig
     run_dir: Path
@@ -36,6 +38,7 @@ class Job:
     claims: dict[str, str] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
     optimizer: Any = None
+    execution: Execution | None = None
 
     @property
     def is_main(self) -> bool:

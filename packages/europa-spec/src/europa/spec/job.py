@@ -17,6 +17,8 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed.device_mesh import DeviceMesh
 
+    from europa.spec.execution import Execution
+
 
 @runtime_checkable
 class PlanningJob(Protocol):
@@ -42,5 +44,7 @@ class RunningJob(PlanningJob, Protocol):
     emit_metrics: Callable[[dict[str, Any]], None]
     claims: dict[str, str]  # parameter name -> the plugin laying it out
     optimizer: Any  # the optimizer core steps, once built (see europa_wrap_optimizer)
+    # set when the rank's program runs on fake tensors (europa plan --execute); None in a run
+    execution: Execution | None
 
     def claim(self, owner: str, parameter_names: Iterable[str]) -> None: ...
