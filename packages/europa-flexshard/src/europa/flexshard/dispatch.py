@@ -26,7 +26,9 @@ import torch.distributed as dist
 
 from europa.flexshard.codec import Codec
 from europa.flexshard.exchange import Keeper
+from europa.flexshard.routing import ModelledRouting, RoutingTable, TensorRouting, routing_table
 from europa.flexshard.wire import Wire
+from europa.spec.execution import RoutingModel
 
 
 class Routed(Protocol):
@@ -42,7 +44,11 @@ class Routed(Protocol):
 class ExpertDispatcher:
     """``ranges[r]``: the (start, stop) of the experts ep rank ``r`` owns (contiguous runs
     in rank order). ``wire``: the dispatch and combine wire dtypes. ``keeper``: where the
-    layer's exchanges are kept for a recomputation (None: they are not)."""
+    layer's exchanges are kept for a recomputation (None: they are not). ``routing``: a
+    routing model whose expected counts size the exchanges instead of the routing tensors
+    (an execution on fake tensors, ``europa.flexshard.routing``), with at most
+    ``max_nodes`` nodes a token (0: all) and ``local`` ranks of the group a node (0: one
+    node)."""
 
     def __init__(
         self,
@@ -53,6 +59,9 @@ class ExpertDispatcher:
         *,
         wire: Wire | None = None,
         keeper: Keeper | None = None,
+        routing: RoutingModel | None = None,
+        max_nodes: int = 0,
+        local: int = 0,
     ) -> None:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = rank
@@ -62,6 +71,11 @@ class ExpertDispatcher:
         self.keeper = keeper
         self.experts_per_rank = [stop - start for start, stop in self.ranges]
         self.num_experts = self.ranges[-1][1] if self.ranges else 0
+        self.routing = TensorRouting() if routing is None else ModelledRouting()
+        self.table: RoutingTable | None = None
+        if routing is not None:
+            local = local or len(self.ranges)
+            self.table = routing_table(routing, self.ranges, local, top_k, max_nodes)
 
     @property
     def local_experts(self) -> int:

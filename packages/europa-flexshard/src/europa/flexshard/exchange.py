@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from europa.flexshard.codec import Codec
+from europa.spec.tags import mark_memory
 
 
 class Keeper:
@@ -143,8 +144,17 @@ class Flight:
 def _pack(tensors: Sequence[torch.Tensor | None], codecs: Sequence[Codec | None], rows, device):
     pieces = [c.encode(t) for t, c in zip(tensors, codecs, strict=True) if c is not None]
     if not pieces:
-        return torch.empty(rows, 0, dtype=torch.uint8, device=device)
-    return torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
+        packed = torch.empty(rows, 0, dtype=torch.uint8, device=device)
+    else:
+        packed = torch.cat(pieces, dim=1) if len(pieces) > 1 else pieces[0].contiguous()
+    mark_memory(packed, "expert_buffers")
+    return packed
+
+
+def _receiving(like: torch.Tensor, shape) -> torch.Tensor:
+    buffer = like.new_empty(shape)
+    mark_memory(buffer, "expert_buffers")
+    return buffer
 
 
 def _unpack(buffer: torch.Tensor, flight: Flight, codecs: Sequence[Codec | None]):
@@ -175,7 +185,7 @@ class _Launch(torch.autograd.Function):
             flight.received = flight.keeper.answer(shape)
         else:
             flight.sent = _pack(tensors, flight.there, rows, device)
-            flight.received = flight.sent.new_empty(shape)
+            flight.received = _receiving(flight.sent, shape)
             flight.work = _issue(flight.received, flight.sent, flight.recv_splits,
                                  flight.send_splits, flight.group)  # fmt: skip
             if flight.keeper is not None:  # in launch order, the order a replay asks in
@@ -215,7 +225,7 @@ class _Wait(torch.autograd.Function):
             for g, b, c, d in zip(grads, flight.back, flight.cols, flight.dtypes, strict=True)
         ]  # fmt: skip
         sent = _pack(tensors, flight.back, rows, device)
-        received = sent.new_empty(sum(flight.send_splits), sent.shape[1])
+        received = _receiving(sent, (sum(flight.send_splits), sent.shape[1]))
         flight.grad_work = _issue(received, sent, flight.send_splits, flight.recv_splits,
                                   flight.group)  # fmt: skip
         flight.grad_buffers = (sent, received)

@@ -44,6 +44,7 @@ from europa.flexshard.nodes import ExpertNodes
 from europa.flexshard.plan import ParameterSpec
 from europa.flexshard.two_level import TwoLevelDispatcher
 from europa.flexshard.wire import DISPATCHES, WIRE_DTYPES, Wire
+from europa.spec.execution import RoutingModel
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,9 @@ class ExpertParallel:
     "flat" or "two_level" (which needs ``nodes``, from ``expert_node_groups``).
     ``dispatch_dtype``: "compute", "bfloat16" or "float8_e4m3fn", the wire dtype of
     the tokens sent towards the experts. ``keep_exchanges``: keep what each MoE layer
-    received for the recomputation of activation checkpointing."""
+    received for the recomputation of activation checkpointing. ``routing``: the routing
+    model that sizes the exchanges in an execution on fake tensors (None: the routing
+    tensors; ``europa.flexshard.routing``), with tokens limited to ``max_nodes`` nodes."""
 
     group: dist.ProcessGroup | None = None
     copies: dist.ProcessGroup | None = None
@@ -65,6 +68,8 @@ class ExpertParallel:
     nodes: ExpertNodes | None = None
     dispatch_dtype: str = "compute"
     keep_exchanges: bool = False
+    routing: RoutingModel | None = None
+    max_nodes: int = 0
 
     def check(self) -> None:
         if self.dispatch not in DISPATCHES:
@@ -83,12 +88,15 @@ class ExpertParallel:
     def dispatcher(
         self, rank: int, ranges: Sequence[tuple[int, int]], top_k: int, compute_itemsize: int
     ) -> ExpertDispatcher:
-        wire = Wire(self.dispatch_dtype, compute_itemsize)
-        keeper = Keeper() if self.keep_exchanges else None
+        options = dict(
+            wire=Wire(self.dispatch_dtype, compute_itemsize),
+            keeper=Keeper() if self.keep_exchanges else None,
+            routing=self.routing,
+            max_nodes=self.max_nodes,
+        )
         if self.dispatch == "two_level":
-            return TwoLevelDispatcher(self.group, rank, ranges, top_k, nodes=self.nodes,
-                                      wire=wire, keeper=keeper)  # fmt: skip
-        return FlatDispatcher(self.group, rank, ranges, top_k, wire=wire, keeper=keeper)
+            return TwoLevelDispatcher(self.group, rank, ranges, top_k, nodes=self.nodes, **options)
+        return FlatDispatcher(self.group, rank, ranges, top_k, **options)
 
 
 def routed_expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

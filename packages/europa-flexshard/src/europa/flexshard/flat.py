@@ -95,13 +95,15 @@ class FlatDispatcher(ExpertDispatcher):
         ids = ids_TK.reshape(-1)
         order = torch.argsort(ids, stable=True)
         pairs = x_TD[order // self.top_k]
-        counts = torch.bincount(ids, minlength=self.num_experts).to(torch.int64)
+        counts = self.routing.counts(ids, self.num_experts)
         mine, ranks = self.local_experts, len(self.ranges)
         received = exchange_counts(counts, self.experts_per_rank, [mine] * ranks, self.group,
                                    self.keeper)  # fmt: skip
         # Split sizes are host integers: read each count tensor once (one sync on a GPU).
-        plan = plan_chunks(counts.tolist(), received.view(ranks, mine).tolist(), self.ranges,
-                           self.rank, chunks, x_TD.device)  # fmt: skip
+        pairs_sent = ids.numel()
+        per_expert = self.routing.read(counts, lambda: self._to_experts(self.rank, pairs_sent))
+        by_source = self.routing.read(received.view(ranks, mine), lambda: self._from(pairs_sent))
+        plan = plan_chunks(per_expert, by_source, self.ranges, self.rank, chunks, x_TD.device)
         there, back = self.codecs()
         send = pairs if plan.send_order is None else pairs[plan.send_order]
         flights = [
@@ -115,6 +117,18 @@ class FlatDispatcher(ExpertDispatcher):
             for c, piece in enumerate(send.split(plan.send_rows))
         ]
         return FlatRouted(self, plan, order, scores_TK.reshape(-1)[order], x_TD, flights)
+
+    # -- what a routing model expects (an execution on fake tensors) ------------------------
+    # Every source sends as many pairs as this one.
+
+    def _to_experts(self, source: int, pairs: int) -> list[int]:
+        """The pairs ``source`` sends to each expert, of ``pairs`` in all."""
+        return list(self.table.flat_pairs(source, pairs))
+
+    def _from(self, pairs: int) -> list[list[int]]:
+        """The pairs each source sends to each of this rank's experts."""
+        first, stop = self.ranges[self.rank]
+        return [self._to_experts(s, pairs)[first:stop] for s in range(len(self.ranges))]
 
 
 @dataclass

@@ -64,10 +64,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces, runs_direct
+from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
-from europa.spec.tags import mark_gathered
+from europa.spec.tags import mark_gathered, mark_memory, mark_traffic
 
 
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
@@ -96,14 +96,26 @@ class Slot:
         return self.module._parameters[self.attr]
 
 
+REPLICA_SUM_KIND = "gradient_replica_all_reduce"
+EXPERT_COPIES_KIND = "expert_gradient_all_reduce"
+
+
 class AsyncSum:
     """One all-reduce (a sum) of several tensors flattened together, in ``dtype``
     (default: their own), issued on construction; ``finish`` waits for it and writes
-    each sum back into its tensor."""
+    each sum back into its tensor. ``kind``: the planner's kind of this traffic."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], group, dtype: torch.dtype | None):
+    def __init__(
+        self,
+        tensors: Sequence[torch.Tensor],
+        group,
+        dtype: torch.dtype | None,
+        kind: str = REPLICA_SUM_KIND,
+    ):
         self.tensors = list(tensors)
         self.flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in self.tensors])
+        mark_traffic(self.flat, kind)
+        mark_memory(self.flat, "gradient_buffers")
         self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def finish(self) -> None:
@@ -113,9 +125,14 @@ class AsyncSum:
             tensor.copy_(piece.view_as(tensor))
 
 
-def sum_over(grads: Sequence[torch.Tensor], group, dtype: torch.dtype | None) -> None:
+def sum_over(
+    grads: Sequence[torch.Tensor],
+    group,
+    dtype: torch.dtype | None,
+    kind: str = REPLICA_SUM_KIND,
+) -> None:
     """Sum ``grads`` in place over ``group`` (see ``AsyncSum``), waiting for it."""
-    AsyncSum(grads, group, dtype).finish()
+    AsyncSum(grads, group, dtype, kind).finish()
 
 
 REPLICAS_SUM = "the replicas' sum"
@@ -137,13 +154,16 @@ def count_backward(counts: dict[int, int], key: int, limit: int, sum_name: str) 
 @dataclass(frozen=True)
 class Groups:
     """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
-    ``replicate`` (optional) joins the ranks holding the same share in other copies."""
+    ``replicate`` (optional) joins the ranks holding the same share in other copies.
+    ``direct``: gathers and reduce-scatters are direct transfers between ranks
+    (``europa.flexshard.direct``), not the backend's collectives."""
 
     shard: dist.ProcessGroup | None
     rank: int
     size: int
     replicate: dist.ProcessGroup | None = None
     replicas: int = 1
+    direct: bool = False
 
 
 class GatherUnit:
@@ -221,7 +241,8 @@ class GatherUnit:
         locals_ = [slot.local.detach() for slot in self.slots]
         dtype, device = self._compute_dtype(), locals_[0].device
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
-        if g.size > 1 and runs_direct(g.shard):
+        mark_memory(rows, "gathered_parameters")
+        if g.size > 1 and g.direct:
             pieces = [local.to(dtype) for local in locals_]
             sent = [pieces[slot] for slot in segments.owned_slots(g.rank)]
             spans = [segments.owned_spans(peer) for peer in range(g.size)]
@@ -272,7 +293,7 @@ class GatherUnit:
         g, segments = self.groups, self.segments
         dtype = self.reduce_dtype or self.slots[0].local.dtype
         device = self.slots[0].local.device
-        if g.size > 1 and runs_direct(g.shard):
+        if g.size > 1 and g.direct:
             fulls = [
                 torch.zeros(spec.shape, dtype=dtype, device=device) if x is None else x.to(dtype)
                 for x, spec in zip(grads, segments.specs, strict=True)
@@ -289,6 +310,7 @@ class GatherUnit:
 
             return pieces
         rows = torch.empty(g.size, segments.width, dtype=dtype, device=device)
+        mark_memory(rows, "gradient_buffers")
         segments.scatter_rows([None if x is None else x.to(dtype) for x in grads], rows)
         if g.size == 1:
             mine, work = rows[0], None
@@ -389,13 +411,13 @@ class GatherUnit:
     def _set_fulls(self, fulls: list[torch.Tensor]) -> None:
         """Hold ``fulls``; those with storage of their own are freed between uses, not
         those that view a local parameter (one this rank owns whole, gathered on gloo)."""
-        local = {slot.local.untyped_storage().data_ptr() for slot in self.slots}
+        local = {_storage_of(slot.local) for slot in self.slots}
         self.fulls = fulls
         self._gathered = [
-            full for full in fulls
-            if full.untyped_storage().nbytes() == 0
-            or full.untyped_storage().data_ptr() not in local
-        ]  # fmt: skip
+            full
+            for full in fulls
+            if full.untyped_storage().nbytes() == 0 or _storage_of(full) not in local
+        ]
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -526,6 +548,12 @@ class GatherUnit:
         self._free()
         self.fulls, self._gathered = None, []
         return local_grads
+
+
+def _storage_of(tensor: torch.Tensor) -> int:
+    """The identity of ``tensor``'s storage (its address is no identity: on fake tensors,
+    which hold no memory, every address is 0)."""
+    return tensor.untyped_storage()._cdata
 
 
 class _GatherFunction(torch.autograd.Function):

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from europa.flexshard.direct import runs_direct
 from europa.flexshard.errors import PlanError
 from europa.flexshard.experts import (
     ExpertParallel,
@@ -30,6 +31,7 @@ from europa.flexshard.experts import (
     routed_expert_modules,
 )
 from europa.flexshard.gather import (
+    EXPERT_COPIES_KIND,
     AsyncSum,
     GatherUnit,
     Groups,
@@ -43,6 +45,7 @@ from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
 from europa.spec.layout import ROOT_UNIT
 from europa.spec.optim import uses_muon
+from europa.spec.tags import mark_traffic
 
 InitMatrix = Callable[[str, int, torch.Tensor], None]
 
@@ -54,7 +57,11 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     return [*blocks, model]
 
 
-def _groups(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup | None) -> Groups:
+def _groups(
+    group: dist.ProcessGroup | None,
+    replicate_group: dist.ProcessGroup | None,
+    direct: bool | None,
+) -> Groups:
     if not dist.is_available() or not dist.is_initialized():
         if replicate_group is not None:
             raise PlanError("replicate_group given without torch.distributed initialised")
@@ -66,6 +73,7 @@ def _groups(group: dist.ProcessGroup | None, replicate_group: dist.ProcessGroup 
         size=dist.get_world_size(group),
         replicate=replicate_group,
         replicas=replicas,
+        direct=runs_direct(group) if direct is None else direct,
     )
 
 
@@ -174,6 +182,7 @@ class FlexShardLayout:
         self.finish_gradients()
         device = next(iter(self.slots.values())).local.device
         squares = torch.zeros(2, dtype=torch.float32, device=device)
+        mark_traffic(squares, "gradient_norm")
         dense, routed = squares[0], squares[1]
         grads = []
         for name, slot in self.slots.items():
@@ -283,7 +292,9 @@ class _Experts:
         seen = count_backward(self._backwards, id(param), self.sum_in_backward,
                               "the experts' sum over their copies")  # fmt: skip
         if seen == self.sum_in_backward:
-            self._early[id(param)] = AsyncSum([param.grad], self.parallel.copies, self.reduce_dtype)
+            self._early[id(param)] = AsyncSum(
+                [param.grad], self.parallel.copies, self.reduce_dtype, EXPERT_COPIES_KIND
+            )
 
     def reduce_copies(self, params: Sequence[torch.Tensor]) -> None:
         """Sum the experts' gradients over their copies (one all-reduce, in the reduce
@@ -297,7 +308,7 @@ class _Experts:
         self._copies_pending = False
         grads = [p.grad for p in params if p.grad is not None and id(p) not in early]
         if grads:
-            sum_over(grads, self.parallel.copies, self.reduce_dtype)
+            sum_over(grads, self.parallel.copies, self.reduce_dtype, EXPERT_COPIES_KIND)
 
     def gather(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Expert parameter ``name`` in full, from each rank's run of it (a collective)."""
@@ -323,6 +334,7 @@ def flex_shard(
     reduce_dtype: torch.dtype | None = None,
     orthogonalised: Callable[[str, Sequence[int]], bool] = uses_muon,
     experts: ExpertParallel | None = None,
+    direct: bool | None = None,
 ) -> FlexShardLayout:
     """Lay ``model`` out by whole-matrix ownership over ``group`` (default: the world).
 
@@ -334,10 +346,12 @@ def flex_shard(
     ``orthogonalised(name, shape)`` says which parameters count Newton–Schulz
     work in the balance. ``experts`` splits the routed experts of every module
     with a ``token_dispatcher`` and ``inner_experts`` over its group instead
-    (expert parallelism). Parameters on the meta device stay there until
-    ``layout.materialise``; real ones are sliced and the rest freed.
+    (expert parallelism). ``direct``: gather and reduce-scatter by direct transfers
+    between ranks (default: where the backend is gloo, ``europa.flexshard.direct``).
+    Parameters on the meta device stay there until ``layout.materialise``; real ones are
+    sliced and the rest freed.
     """
-    groups = _groups(group, replicate_group)
+    groups = _groups(group, replicate_group, direct)
     unit_modules = list(units) if units is not None else default_units(model)
     if not any(m is model for m in unit_modules):
         unit_modules.append(model)  # the root gathers whatever no other unit claims

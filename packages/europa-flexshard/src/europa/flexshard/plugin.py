@@ -114,6 +114,7 @@ def _expert_parallel(job, copies):
         for group in ep_groups:
             split_into_nodes(group, per_node)
         nodes = ExpertNodes(min(parallel.ep, per_node))
+    execution = getattr(job, "execution", None)
     return ExpertParallel(
         group=mesh["ep"].get_group(),
         copies=copies,
@@ -121,6 +122,8 @@ def _expert_parallel(job, copies):
         nodes=nodes,
         dispatch_dtype=parallel.ep_dispatch_dtype,
         keep_exchanges=parallel.ep_keep_exchanges,
+        routing=execution.routing if execution is not None else None,
+        max_nodes=parallel.ep_max_nodes_per_token,
     )
 
 
@@ -192,6 +195,7 @@ def europa_shard_model(job, model):
     table = job.config.section(NAME)
     bf16 = job.config.training.dtype == "bfloat16"
     shard, replicate, experts = _groups(job)
+    execution = getattr(job, "execution", None)
     layout = flex_shard(
         model,
         group=shard,
@@ -199,6 +203,7 @@ def europa_shard_model(job, model):
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=getattr(torch, table.reduce_dtype) if bf16 else None,
         experts=experts,
+        direct=execution.backend == "gloo" if execution is not None else None,
     )
     _check_budget(job, layout)
     layout.sum_copies_in_backward(job.config.training.grad_accum_steps)

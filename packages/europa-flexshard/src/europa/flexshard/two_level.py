@@ -38,29 +38,16 @@ from europa.flexshard.codec import Codec
 from europa.flexshard.dispatch import ExpertDispatcher
 from europa.flexshard.exchange import Flight, Part, exchange, exchange_counts, launch, wait
 from europa.flexshard.nodes import ExpertNodes
+from europa.flexshard.routing import NO_EXPERT
 
-NO_EXPERT = -1
 SCORES, IDS = Codec(), None  # scores travel as they are; routing ids have no gradient
-
-
-def _hits(owner_of_slot: torch.Tensor, destinations: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(destination, row) of every row that has at least one slot owned by the
-    destination (``owner_of_slot[row, k]``; ``destinations`` marks none), destination-major."""
-    rows = owner_of_slot.shape[0]
-    hit = torch.zeros(rows, destinations + 1, dtype=torch.bool, device=owner_of_slot.device)
-    hit.scatter_(1, owner_of_slot, True)
-    return hit[:, :destinations].t().nonzero(as_tuple=True)
-
-
-def _splits(destination: torch.Tensor, destinations: int) -> list[int]:
-    return torch.bincount(destination, minlength=destinations).tolist()
 
 
 class TwoLevelDispatcher(ExpertDispatcher):
     """One row per (token, destination node), then per (token, destination rank)."""
 
     def __init__(self, group, rank, ranges, top_k, *, nodes: ExpertNodes, **options) -> None:
-        super().__init__(group, rank, ranges, top_k, **options)
+        super().__init__(group, rank, ranges, top_k, local=nodes.local, **options)
         local = nodes.local
         if len(self.ranges) % local:
             raise ValueError(f"{len(self.ranges)} ep ranks do not split into nodes of {local}")
@@ -78,24 +65,50 @@ class TwoLevelDispatcher(ExpertDispatcher):
         )
         self.local_first = torch.tensor([a - first for a, _ in mine])
 
+    # -- what a routing model expects (an execution on fake tensors) ------------------------
+    # Every source routes as many tokens as this one, so what a source sends to a node
+    # depends on the node only, and every forwarder of a node receives as many rows.
+
+    def _to_nodes(self, tokens: int) -> list[int]:
+        """Stage-1 rows a source of ``tokens`` tokens sends to each node."""
+        return [self.table.rows_to_node(tokens, m) for m in range(self.node_count)]
+
+    def _from_nodes(self, sizes: list[int]) -> list[list[int]]:
+        """Stage-1 rows this rank receives from each node's source, per chunk of ``sizes``."""
+        return [[self.table.rows_to_node(n, self.node) for n in sizes]] * self.node_count
+
+    def _to_ranks(self, rows: int) -> list[int]:
+        """Stage-2 rows a forwarder that received ``rows`` passes to each rank of its node."""
+        first = self.node * self.nodes.local
+        return [self.table.rows_to_rank(rows, first + j) for j in range(self.nodes.local)]
+
+    def _pairs_here(self, rows: list[int]) -> int:
+        """(row, slot) pairs for this rank's experts in the stage-2 ``rows`` it receives."""
+        return sum(self.table.pairs_at_rank(n, self.rank) for n in rows)
+
     def begin(self, x_TD, scores_TK, ids_TK, chunks: int = 1) -> TwoLevelRouted:
-        device, nodes = x_TD.device, self.node_count
+        device, nodes, routing = x_TD.device, self.node_count, self.routing
         tokens = x_TD.shape[0]
         node_of_expert, node_first = self.node_of_expert.to(device), self.node_first.to(device)
+        bounds = [(tokens * c // chunks, tokens * (c + 1) // chunks) for c in range(chunks)]
+        sizes = [hi - lo for lo, hi in bounds]
         plans = []
-        for c in range(chunks):
-            lo, hi = tokens * c // chunks, tokens * (c + 1) // chunks
+        for (lo, hi), size in zip(bounds, sizes, strict=True):
             node_of_slot = node_of_expert[ids_TK[lo:hi]]
-            destination, row = _hits(node_of_slot, nodes)
+            destination, row = routing.hits(node_of_slot, nodes, lambda n=size: self._to_nodes(n))
             token = row + lo
             local_id = ids_TK[token] - node_first[destination][:, None]
             slots = torch.where(node_of_slot[row] == destination[:, None], local_id, NO_EXPERT)
             plans.append((token, slots.to(torch.int32), destination))
         # One exchange of every chunk's counts: [destination node, chunk].
-        sent = torch.stack([torch.bincount(d, minlength=nodes) for _, _, d in plans], dim=1)
-        received = exchange_counts(sent.reshape(-1), [chunks] * nodes, [chunks] * nodes,
-                                   self.nodes.rail_group, self.keeper)  # fmt: skip
-        sent, received = sent.tolist(), received.view(nodes, chunks).tolist()
+        sent = torch.stack([routing.counts(d, nodes) for _, _, d in plans], dim=1)
+        received = exchange_counts(
+            sent.reshape(-1), [chunks] * nodes, [chunks] * nodes, self.nodes.rail_group, self.keeper
+        )
+        sent = routing.read(
+            sent, lambda: [list(c) for c in zip(*map(self._to_nodes, sizes), strict=True)]
+        )
+        received = routing.read(received.view(nodes, chunks), lambda: self._from_nodes(sizes))
         there, back = self.codecs()
         routed = TwoLevelRouted(self, x_TD)
         for c, (token, slots, _) in enumerate(plans):
@@ -142,15 +155,19 @@ class TwoLevelRouted:
         rows, scores, slots = wait(state.flight)
         state.received_rows = rows.shape[0]
         # Stage 2: each row to the node's ranks owning its experts.
+        routing, arrived = d.routing, state.received_rows
         owner_of_slot = d.local_owner.to(device)[slots.long()]  # NO_EXPERT -> local (none)
-        destination, forwarded = _hits(owner_of_slot, local)
+        destination, forwarded = routing.hits(owner_of_slot, local, lambda: d._to_ranks(arrived))
         renumbered = slots[forwarded].long() - d.local_first.to(device)[destination][:, None]
         mine = owner_of_slot[forwarded] == destination[:, None]
         slots2 = torch.where(mine, renumbered, NO_EXPERT).to(torch.int32)
-        state.forwarded, state.send2 = forwarded, _splits(destination, local)
+        state.forwarded = forwarded
+        sent = routing.counts(destination, local)
+        state.send2 = routing.read(sent, lambda: d._to_ranks(arrived))
         received = exchange_counts(torch.tensor(state.send2, device=device), [1] * local,
                                    [1] * local, d.nodes.node_group, d.keeper)  # fmt: skip
-        state.recv2 = received.tolist()
+        expected = d._to_ranks(arrived)[d.position] if d.table is not None else 0
+        state.recv2 = routing.read(received, lambda: [expected] * local)
         there, back = d.codecs()
         parts = [Part(rows[forwarded], there, back), Part(scores[forwarded], SCORES, SCORES),
                  Part(slots2, SCORES, IDS)]  # fmt: skip
@@ -159,12 +176,12 @@ class TwoLevelRouted:
         state.expert_rows = rows2.shape[0]
         # The expert side: (row, slot) pairs, sorted by local expert, rows in order within one.
         flat = slots2.reshape(-1).long()
-        taken = (flat != NO_EXPERT).nonzero().squeeze(1)
+        taken = routing.pairs(flat, lambda: d._pairs_here(state.recv2))
         order = torch.argsort(flat[taken], stable=True)
         taken = taken[order]
         state.pair_row = taken // top_k
         state.pair_score = scores2.reshape(-1)[taken]
-        counts = torch.bincount(flat[taken], minlength=d.local_experts).to(torch.int64)
+        counts = routing.counts(flat[taken], d.local_experts)
         return rows2[state.pair_row], counts
 
     def _wire(self, summed: torch.Tensor) -> torch.Tensor:
