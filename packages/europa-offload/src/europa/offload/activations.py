@@ -10,10 +10,12 @@ order of wrapping. When autograd saves a tensor there:
 * *pack*: a tensor the policy offloads (large enough, not a weight, not in the
   last ``keep_last_blocks`` blocks) is copied into a pooled host buffer, and
   the hook returns a handle instead of the tensor, so the device storage goes
-  as soon as the forward drops its own reference. On CUDA the copy runs on a
-  side stream that first waits for the compute stream (an event orders it),
-  and ``record_stream`` keeps the caching allocator from reusing the source
-  until the copy is done; nothing synchronises the device.
+  as soon as the forward drops its own reference. On an accelerator (CUDA) the
+  copy runs on a side stream that first waits for the compute stream (an event
+  orders it), and ``record_stream`` keeps the caching allocator from reusing the
+  source until the copy is done; nothing synchronises the device. Streams and
+  events are torch's device-generic ones (``torch.Stream``, ``torch.Event``,
+  ``torch.accelerator``), so any accelerator takes this path.
 * *unpack* (backward): the first tensor asked for from block *b* is copied
   back at once, then the rest of block *b*'s and all of block *b − 1*'s
   tensors start coming back on the side stream, so they arrive while block *b*
@@ -45,7 +47,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from europa.offload.pool import HostBufferPool
+from europa.offload.pool import HostBufferPool, on_accelerator
 from europa.spec.tags import is_gathered
 
 
@@ -81,8 +83,8 @@ class _Handle:
     host: torch.Tensor
     device: torch.device
     block: int
-    stored: torch.cuda.Event | None = None
-    arrived: torch.cuda.Event | None = None
+    stored: torch.Event | None = None
+    arrived: torch.Event | None = None
     on_device: torch.Tensor | None = None
 
 
@@ -121,7 +123,7 @@ class ActivationOffload:
         self._blocks: list[str] = []
         self._by_block: dict[int, list[_Handle]] = {}
         self._backward: _Backward | None = None
-        self._side: torch.cuda.Stream | None = None
+        self._side: torch.Stream | None = None
 
     # -- wrapping ----------------------------------------------------------------------------
 
@@ -171,12 +173,12 @@ class ActivationOffload:
         buffer = self.pool.take(nbytes)
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         handle = _Handle(buffer, host, tensor.device, block)
-        if tensor.device.type == "cuda":
+        if on_accelerator(tensor.device):
             side = self._side_stream(tensor.device)
-            side.wait_stream(torch.cuda.current_stream(tensor.device))
-            with torch.cuda.stream(side):
+            side.wait_stream(torch.accelerator.current_stream(tensor.device))
+            with side:
                 host.copy_(tensor, non_blocking=True)
-                handle.stored = torch.cuda.Event()
+                handle.stored = torch.Event(device=tensor.device)
                 handle.stored.record(side)
             tensor.record_stream(side)
         else:
@@ -194,14 +196,14 @@ class ActivationOffload:
         handle: _Handle = packed
         backward = self._start_backward()
         backward.used.append(handle)
-        if handle.device.type != "cuda":
+        if not on_accelerator(handle.device):
             return handle.host  # a CPU-only machine: the host buffer is the tensor
         if handle.on_device is None:  # not prefetched: bring it now, ahead of the rest
             self._copy_in(handle)
             self.stats.bytes_reloaded += handle.host.numel() * handle.host.element_size()
         self._prefetch(handle.block, backward)  # the rest of this block, then the one before
         self._prefetch(handle.block - 1, backward)
-        torch.cuda.current_stream(handle.device).wait_event(handle.arrived)
+        torch.accelerator.current_stream(handle.device).wait_event(handle.arrived)
         tensor, handle.on_device = handle.on_device, None
         return tensor
 
@@ -209,14 +211,14 @@ class ActivationOffload:
         # Allocated on the compute stream, which frees it after use; the side stream
         # first waits for the compute stream's earlier work (a previous user of that
         # memory), then for the tensor's own device-to-host copy.
-        compute = torch.cuda.current_stream(handle.device)
+        compute = torch.accelerator.current_stream(handle.device)
         handle.on_device = torch.empty_like(handle.host, device=handle.device)
         side = self._side_stream(handle.device)
         side.wait_stream(compute)
-        with torch.cuda.stream(side):
+        with side:
             side.wait_event(handle.stored)
             handle.on_device.copy_(handle.host, non_blocking=True)
-            handle.arrived = torch.cuda.Event()
+            handle.arrived = torch.Event(device=handle.device)
             handle.arrived.record(side)
 
     def _prefetch(self, block: int, backward: _Backward) -> None:
@@ -274,9 +276,9 @@ class ActivationOffload:
         stats, self.stats = self.stats, OffloadStats()
         return stats
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+    def _side_stream(self, device: torch.device) -> torch.Stream:
         if self._side is None:
-            self._side = torch.cuda.Stream(device=device)
+            self._side = torch.Stream(device=device)
         return self._side
 
 

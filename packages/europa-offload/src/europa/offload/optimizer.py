@@ -1,7 +1,7 @@
 """Optimizer state in host memory, streamed to the device chunk by chunk for ``step()``.
 
 Design note. Between steps every tensor of the wrapped optimizer's state
-(moments, momentum buffers) lives in host memory, pinned when CUDA is present.
+(moments, momentum buffers) lives in host memory, pinned when an accelerator is present.
 ``step()`` walks the parameters in chunks of at most ``chunk_bytes`` of state:
 it copies a chunk's state to the parameters' device, runs the wrapped
 optimizer on that chunk alone (the other parameters' gradients are hidden for
@@ -33,6 +33,8 @@ from typing import Any
 import torch
 
 from europa.offload.errors import OffloadError
+from europa.offload.pool import on_accelerator
+from europa.spec.tags import mark_memory
 
 
 class OffloadedOptimizer:
@@ -61,7 +63,8 @@ class OffloadedOptimizer:
                 loss = closure()
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         chunks = list(self._chunks(params))
-        if len(chunks) <= 1 and not any(p.device.type == "cuda" for p in params):
+        on_device = [p.device for p in params if on_accelerator(p.device)]
+        if len(chunks) <= 1 and not on_device:
             self.optimizer.step()
             return loss
         grads = {id(p): p.grad for p in params}
@@ -79,9 +82,9 @@ class OffloadedOptimizer:
         finally:
             for p in params:
                 p.grad = grads[id(p)]
-        if any(p.device.type == "cuda" for p in params):
+        if on_device:
             # The host buffers are complete before anyone (a checkpoint) reads them.
-            torch.cuda.current_stream().synchronize()
+            torch.accelerator.current_stream(on_device[0]).synchronize()
         return loss
 
     def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[torch.Tensor]]:
@@ -123,13 +126,14 @@ class OffloadedOptimizer:
                 self.streamed_bytes += value.numel() * value.element_size()
 
     def _state_to_host(self, p: torch.Tensor) -> None:
-        if p.device.type != "cuda":
+        if not on_accelerator(p.device):
             return  # host and device are one memory
         state = self.optimizer.state[p]
         for key, value in list(self._tensors(p)):
             host = self._host.get((id(p), key))
             if host is None:
                 host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                mark_memory(host, "optimizer_state")
                 self._host[(id(p), key)] = host
             host.copy_(value, non_blocking=True)
             state[key] = host

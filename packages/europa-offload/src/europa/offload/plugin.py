@@ -54,10 +54,15 @@ def europa_config_sections():
     return {NAME: OffloadConfig}
 
 
-def host_budget_bytes(table: OffloadConfig) -> int:
-    """``host_memory_gib``, or this machine's available memory shared by its local ranks."""
+def host_budget_bytes(table: OffloadConfig, job=None) -> int:
+    """``host_memory_gib``, or the planned machine's host memory a rank has when the job is
+    an execution on fake tensors (``europa.spec.execution``), or this machine's available
+    memory shared by its local ranks."""
     if table.host_memory_gib:
         return int(table.host_memory_gib * GIB)
+    execution = getattr(job, "execution", None)
+    if execution is not None and execution.host_bytes_per_rank is not None:
+        return execution.host_bytes_per_rank
     with open("/proc/meminfo") as meminfo:
         available = next(int(line.split()[1]) * 1024 for line in meminfo if "MemAvailable" in line)
     return available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
@@ -80,7 +85,7 @@ def europa_wrap_model(job, model):
     from europa.offload.pool import HostBufferPool
 
     table = job.config.section(NAME)
-    pool = HostBufferPool(limit_bytes=host_budget_bytes(table))
+    pool = HostBufferPool(limit_bytes=host_budget_bytes(table, job))
     offload = ActivationOffload(
         OffloadPolicy(
             min_bytes=table.min_tensor_kib * 1024,

@@ -1,6 +1,6 @@
 """Reusable host buffers: after the first step, offloading allocates nothing.
 
-Buffers are flat byte tensors, pinned when a CUDA device is present (so
+Buffers are flat byte tensors, pinned when an accelerator is present (so
 device-to-host copies can run asynchronously), grouped in size classes of a
 quarter octave (a request takes the smallest class that fits, wasting at most
 a quarter), and handed back to the pool once the data they hold has been used.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from europa.offload.errors import HostMemoryExceeded
+from europa.spec.tags import mark_memory
 from europa.spec.units import GIB, MIB
 
 _MIN_CLASS = 4096
@@ -29,7 +30,7 @@ def size_class(nbytes: int) -> int:
 
 class HostBufferPool:
     def __init__(self, *, pin: bool | None = None, limit_bytes: int | None = None) -> None:
-        self.pin = torch.cuda.is_available() if pin is None else pin
+        self.pin = torch.accelerator.is_available() if pin is None else pin
         self.limit_bytes = limit_bytes
         self.reserved_bytes = 0  # held outside the pool by its owner (optimizer state)
         self.allocations = 0
@@ -47,6 +48,7 @@ class HostBufferPool:
         else:
             self._check_limit(size)
             buffer = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+            mark_memory(buffer, "activations")
             self.allocations += 1
             self.allocated_bytes += size
         self._in_use += size
@@ -69,6 +71,12 @@ class HostBufferPool:
                 "a larger budget, a larger offload.min_tensor_kib, more blocks kept on the "
                 "device (offload.keep_last_blocks) or more ranks"
             )
+
+
+def on_accelerator(device: torch.device) -> bool:
+    """A device with memory of its own (CUDA or any other accelerator): copies to the host
+    are real and asynchronous."""
+    return device.type not in ("cpu", "meta")
 
 
 def human(nbytes: float) -> str:
