@@ -218,25 +218,27 @@ DENSE_NODE = 'flexshard.dense_group="node"'
 DENSE_RANK = 'flexshard.dense_group="rank"'
 ACCUMULATE = "training.grad_accum_steps=2"
 ONE_NODE = "parallel.ep_max_nodes_per_token=1"
-COMMON = ["training.steps=4", "checkpoint.every=2", "model.num_experts=6", "training.seq_len=32",
+COMMON = ["training.steps=4", "model.num_experts=6", "training.seq_len=32",
           "training.batch_size=4"]  # fmt: skip
+# Every run saves its last step; the runs that others resume save step 2 as well.
+RESUMED = "checkpoint.every=2"
 TWO_NODES = [*COMMON, "parallel.ep=4", "parallel.ranks_per_node=2"]
 BF16_REPLICAS = [*COMMON, "parallel.ep=2", "parallel.dp_replicate=2", ACCUMULATE,
                  'training.dtype="bfloat16"']  # fmt: skip
 BF16_REDUCE = 'flexshard.reduce_dtype="bfloat16"'
 RUNS = [
     Run("ep1", [*COMMON, "parallel.ep=1"], ["flexshard"]),
-    Run("ep2", [*COMMON, "parallel.ep=2"], ["flexshard"]),
+    Run("ep2", [*COMMON, "parallel.ep=2", RESUMED], ["flexshard"]),
     Run("ep4", [*COMMON, "parallel.ep=4"], ["flexshard"]),  # 6 experts over 4: 2, 2, 1, 1
     # The ep=2 run's step-2 checkpoint, resumed as ep=2 and as ep=1.
     Run("ep2-resumed-ep2", [*COMMON, "parallel.ep=2"], ["flexshard"], resume_from="ep2"),
     Run("ep2-resumed-ep1", [*COMMON, "parallel.ep=1"], ["flexshard"], resume_from="ep2"),
     # Two emulated nodes of 2: "auto" picks the two-level exchange.
-    Run("ep4-two-level", TWO_NODES, ["flexshard"]),
+    Run("ep4-two-level", [*TWO_NODES, RESUMED], ["flexshard"]),
     Run("ep4-two-level-fp8-kept", [*TWO_NODES, FP8, CHECKPOINTING, KEPT], ["flexshard"]),
     # The non-expert matrices over each node's ranks, copied on the other node, and
     # checkpoints resumed across the two layouts.
-    Run("ep4-dense-node", [*TWO_NODES, DENSE_NODE], ["flexshard"]),
+    Run("ep4-dense-node", [*TWO_NODES, DENSE_NODE, RESUMED], ["flexshard"]),
     Run(
         "ep4-all-resumed-node", [*TWO_NODES, DENSE_NODE], ["flexshard"], resume_from="ep4-two-level"
     ),
