@@ -37,10 +37,11 @@ from europa.core.launch.distributed import (
 from europa.core.launch.faults import reporting_faults
 from europa.core.launch.progress import LOST_CONTACT, RankProgress
 from europa.core.model import count_parameters, model_spec, update_expert_bias
-from europa.core.model.materialise import MatrixInitialiser, init_buffers
+from europa.core.model.materialise import MatrixInitialiser
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
 from europa.core.train import metrics
+from europa.core.train.assemble import build_optimizer, place_model
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.evaluate import validation_metrics
 from europa.core.train.nonfinite import SkippedSteps
@@ -72,6 +73,12 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(value.item())
 
 
+def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """One micro-batch's forward and its loss: cross-entropy in fp32 over every position."""
+    logits = model(inputs)
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
 class Trainer:
     def __init__(
         self,
@@ -96,18 +103,15 @@ class Trainer:
         check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model,
                    ranks_per_node=job.node_size)  # fmt: skip
         init_matrix = self._initialiser(model)  # full shapes: before sharding
-        model = hook.europa_shard_model(job=job, model=model)
-        hook.europa_wrap_model(job=job, model=model)
-        hook.europa_init_parameters(job=job, model=model, init_matrix=init_matrix)
-        init_buffers(model, job.device)
+        model = place_model(job, plugins, model, init_matrix)
         self.imported_bytes = None  # bytes this rank read from model.init_from
         if isinstance(init_matrix, HFInitialiser):
             load_buffers(model, init_matrix)
             self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
-        built = hook.europa_build_optimizer(job=job, model=model)
-        self.state = hook.europa_checkpoint_state(job=job, model=model, optimizer=built)
+        built, self.state = build_optimizer(job, plugins, model)
+        self.optimizer = job.optimizer
         self.background = (
             BackgroundSaves(
                 job.device,
@@ -118,9 +122,6 @@ class Trainer:
             else None
         )
         self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
-        job.optimizer = built
-        hook.europa_wrap_optimizer(job=job)
-        self.optimizer = job.optimizer
         dp_rank, dp_world = data_parallel_coordinates(job.mesh)
         self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
         if job.is_main:
@@ -215,11 +216,8 @@ class Trainer:
         accum = self.job.config.training.grad_accum_steps
         total = torch.zeros((), device=self.job.device)
         for micro in range(accum):
-            inputs, labels = self.batches.source.batch(step, micro)
-            logits = self.model(inputs.to(self.job.device))
-            loss = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.to(self.job.device).flatten()
-            )
+            inputs, labels = (t.to(self.job.device) for t in self.batches.source.batch(step, micro))
+            loss = next_token_loss(self.model, inputs, labels)
             (loss / accum).backward()
             total += loss.detach() / accum
         return total
