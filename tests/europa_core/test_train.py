@@ -33,12 +33,24 @@ def _losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in _records(run_dir)]
 
 
-def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
-    run_dir = tmp_path / "run"
-    _train(run_dir, "--nproc", "2", "--set", "training.steps=40", "--set", "checkpoint.every=20")
+@pytest.fixture(scope="module")
+def two_rank_run(tmp_path_factory) -> Path:
+    """One ``europa train --nproc 2`` of 20 steps (checkpoints at 10 and 20): the tests
+    below read it, or resume and extend copies of it."""
+    run_dir = tmp_path_factory.mktemp("two-rank") / "run"
+    _train(run_dir, "--nproc", "2", "--set", "training.steps=20", "--set", "checkpoint.every=10")
+    return run_dir
 
+
+def _copy(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to)
+    return to
+
+
+def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(two_rank_run):
+    run_dir = two_rank_run
     records = _records(run_dir)
-    assert [r["step"] for r in records] == list(range(1, 41))
+    assert [r["step"] for r in records] == list(range(1, 21))
     first, last = records[0]["loss"], sum(r["loss"] for r in records[-5:]) / 5
     assert last < first - 1.0, (first, last)
     for record in records:
@@ -49,30 +61,27 @@ def test_tiny_on_two_ranks_learns_and_leaves_a_complete_run_directory(tmp_path):
             assert record["expert_imbalance"][layer] == pytest.approx(max(shares) * 8)
 
     written = tomllib.loads((run_dir / "config.toml").read_text())
-    assert written["training"]["steps"] == 40
+    assert written["training"]["steps"] == 20
     assert written["parallel"]["nproc"] == 2
-    assert [step for step, _ in complete_checkpoints(run_dir)] == [20, 40]
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [10, 20]
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
     assert summary["final_loss"] == records[-1]["loss"]
 
 
-def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path):
+def test_resume_reproduces_the_uninterrupted_run_exactly(two_rank_run, tmp_path):
     """From a synchronous save (from a background one: test_background_save_ranks.py)."""
-    steps = ["--set", "training.steps=8", "--set", "checkpoint.every=4"]
-    whole = tmp_path / "whole"
-    _train(whole, *steps)
+    whole = two_rank_run
 
-    # An interrupted run: the same directory as it stood after step 4.
-    interrupted = tmp_path / "interrupted"
-    shutil.copytree(whole, interrupted)
-    shutil.rmtree(interrupted / "checkpoints" / "step-00000008")
+    # An interrupted run: the same directory as it stood after step 10.
+    interrupted = _copy(whole, tmp_path / "interrupted")
+    shutil.rmtree(interrupted / "checkpoints" / "step-00000020")
     (interrupted / "summary.json").unlink()
     _train(interrupted, "--resume")
 
     assert _losses(interrupted) == _losses(whole)  # bitwise equal on CPU fp32
-    assert [r["step"] for r in _records(interrupted)] == list(range(1, 9))
-    assert json.loads((interrupted / "summary.json").read_text())["resumed_from"] == 4
+    assert [r["step"] for r in _records(interrupted)] == list(range(1, 21))
+    assert json.loads((interrupted / "summary.json").read_text())["resumed_from"] == 10
 
 
 def test_hsdp_matches_fsdp_on_four_ranks(tmp_path):
@@ -195,16 +204,14 @@ def test_resume_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
     )
 
 
-def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
-    run_dir = tmp_path / "run"
-    _train(run_dir, "--set", "training.steps=3")
-    capsys.readouterr()
+def test_resume_can_extend_a_finished_run_but_not_shorten_it(two_rank_run, tmp_path, capsys):
+    run_dir = _copy(two_rank_run, tmp_path / "run")  # finished at step 20
 
-    shorter = ["train", "--run-dir", str(run_dir), "--resume", "--set", "training.steps=2"]
+    shorter = ["train", "--run-dir", str(run_dir), "--resume", "--set", "training.steps=19"]
     assert run([*shorter, *QUIET]) == 2
-    checkpoint_dir = run_dir / "checkpoints" / "step-00000003"
+    checkpoint_dir = run_dir / "checkpoints" / "step-00000020"
     assert capsys.readouterr().err.strip().splitlines() == [
-        "europa: error: training.steps = 2: expected at least the 3 steps the checkpoint "
+        "europa: error: training.steps = 19: expected at least the 20 steps the checkpoint "
         f"{str(checkpoint_dir)!r} has already done"
     ]
 
@@ -219,11 +226,11 @@ def test_resume_can_extend_a_finished_run_but_not_shorten_it(tmp_path, capsys):
     assert (run_dir / "config.toml").read_bytes() == config_before  # nothing lost
 
     _train(run_dir, "--resume")
-    assert "nothing left to train at step 3" in capsys.readouterr().err
+    assert "nothing left to train at step 20" in capsys.readouterr().err
 
-    _train(run_dir, "--resume", "--set", "training.steps=5")
-    assert [r["step"] for r in _records(run_dir)] == [1, 2, 3, 4, 5]
-    assert [step for step, _ in complete_checkpoints(run_dir)] == [3, 5]
+    _train(run_dir, "--resume", "--set", "training.steps=22")
+    assert [r["step"] for r in _records(run_dir)] == list(range(1, 23))
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [20, 22]  # keeps 2
 
 
 def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capfd):
