@@ -390,16 +390,18 @@ def flex_shard(
         unit_slots = [slots[n] for n in names]
         for index, slot in enumerate(unit_slots):
             slot.index = index
-        gather_units.append(
-            GatherUnit(
-                module,
-                unit_slots,
-                UnitSegments(plan, names),
-                groups,
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
-            )
+        unit = GatherUnit(
+            module,
+            unit_slots,
+            UnitSegments(plan, names),
+            groups,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
         )
+        # The root is gathered when the model's forward starts and its last forward use (the
+        # output head) is backward's first: freeing it in between only gathers it again.
+        unit.reshard_after_forward = module is not model
+        gather_units.append(unit)
     if routed is not None and experts.keep_exchanges:
         routed.kept = _keep_in_blocks(model, unit_modules)
     return FlexShardLayout(model, plan, specs, slots, gather_units, groups, routed)
