@@ -14,6 +14,8 @@ from europa.core.model import build_moe_model
 from europa.core.session import open_session
 from europa.flexshard import plugin
 from europa.flexshard.layout import _unit_of_each_parameter, default_units
+from tests.conftest import run_ranks
+from tests.trainer_runs import Run, train_runs
 
 QUIET = ["--set", "metrics.progress=false"]
 
@@ -30,13 +32,14 @@ def _train(run_dir: Path, *args: str) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_flexshard_trains_like_fsdp2_and_resumes_on_another_world_size(tmp_path, capfd):
-    common = ["--set", "training.steps=4", "--set", "checkpoint.every=2",
-              "--set", 'optimizer.name="muon"', "--set", "optimizer.lr=0.02"]  # fmt: skip
-    flex, fsdp = tmp_path / "flex", tmp_path / "fsdp"
-    _train(flex, "-p", "flexshard", "--nproc", "2", "--set", "training.batch_size=2", *common)
+    common = ["training.steps=4", "checkpoint.every=2", 'optimizer.name="muon"',
+              "optimizer.lr=0.02", "training.batch_size=2"]  # fmt: skip
+    flex = tmp_path / "flex"
+    _train(flex, "-p", "flexshard", "--nproc", "2", *(a for c in common for a in ("--set", c)))
     assert "flexshard: 118 whole matrices over 2 rank(s)" in capfd.readouterr().err
-    _train(fsdp, "--nproc", "2", "--set", "training.batch_size=2", *common)
-    assert _losses(flex) == pytest.approx(_losses(fsdp), rel=1e-6)
+    # FSDP2 on the same 2 ranks: what each rank of `europa train` runs, in a spawned group
+    fsdp = run_ranks(train_runs, 2, str(tmp_path), [Run("fsdp", common)])[0]["fsdp"]
+    assert _losses(flex) == pytest.approx([r["loss"] for r in fsdp], rel=1e-6)
 
     # The same global batch on one rank, from the 2-rank checkpoint at step 2.
     resumed = tmp_path / "resumed"
