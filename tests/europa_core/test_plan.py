@@ -284,20 +284,34 @@ def test_an_async_save_never_loses_more_than_a_sync_one_and_its_staging(write, s
     compute_bytes=st.sampled_from([2, 4]),
 )
 def test_blocks_kept_gathered_to_backward_are_counted_whole(sizes, root, compute_bytes):
-    from europa.core.plan.memory import kept_blocks, transient_buffers
+    from europa.core.plan.memory import kept_blocks
+    from europa.core.plan.moments import RankMemory, device_moments
 
     units = {f"layers.{i}": n for i, n in enumerate(sizes)} | {"<root>": root}
     gathered = {}
     for policy in ("all", "all_but_last", "none"):
-        layout = {"gathered_unit_elements": units}
-        terms = transient_buffers(layout, compute_bytes, 4, 0, kept_blocks(units, policy))
-        gathered[policy] = terms["gathered_parameters"] // compute_bytes
+        layout = {"gathered_unit_elements": units, "gather_group_size": 1}
+        moments = device_moments(
+            layout,
+            RankMemory(0, 0, 0, 0, 0, 0),
+            compute_bytes=compute_bytes,
+            reduce_bytes=4,
+            activations=0,
+            recomputed=0,
+            expert_buffers=0,
+            kept_blocks=kept_blocks(units, policy),
+            micro_batches=1,
+        )
+        most = max(m.terms.get("gathered_parameters", 0) for m in moments)
+        gathered[policy] = most // compute_bytes
     assert kept_blocks(units, "all") == []
     assert kept_blocks(units, "all_but_last") == [f"layers.{len(sizes) - 1}"]
     assert kept_blocks(units, "none") == [f"layers.{i}" for i in range(len(sizes))]
-    assert gathered["all"] == 2 * max(units.values())  # the one in use and the prefetched
+    # the root (gathered from the start of forward to the end of backward), the block in use
+    # and the one prefetched
+    assert gathered["all"] == root + 2 * max(sizes)
     assert gathered["all"] <= gathered["all_but_last"] <= gathered["none"]
-    assert gathered["all_but_last"] >= sizes[-1] + max([*sizes[:-1], root])
+    assert gathered["all_but_last"] >= root + sizes[-1] + max(sizes)
     assert gathered["none"] >= sum(sizes) + root
 
 

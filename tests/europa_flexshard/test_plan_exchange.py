@@ -13,6 +13,9 @@ SEED = [
     "parallel.dp_shard=-1",
     "parallel.ep=384",
     'activation_checkpointing.mode="full"',
+    # as docs/plan.md's table of levers: the non-expert matrices within a node (split over
+    # all 384 GPUs, a unit's padded reduce-scatter rows alone would need 1.6 TiB a GPU)
+    'flexshard.dense_group="node"',
 ]
 LEVERS = {
     "flat": ['parallel.ep_dispatch="flat"'],
@@ -44,7 +47,13 @@ def _exchange(plan) -> dict[str, tuple[int, float]]:
 @pytest.fixture(scope="module")
 def seed_plans():
     return {
-        lever: _plan("kimi-k2", [*SEED, *extra], ["flexshard", "offload"], "gh200-jupiter", 1536)
+        lever: _plan(
+            "kimi-k2",
+            [*SEED, "offload.optimizer_state=true", *extra],
+            ["flexshard", "offload"],
+            "gh200-jupiter",
+            1536,
+        )
         for lever, extra in LEVERS.items()
     }
 

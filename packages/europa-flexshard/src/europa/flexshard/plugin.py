@@ -494,5 +494,6 @@ class _OwnedElements:
             # (every rank with the same ep index) all-reduce its gradients.
             "replicated_elements": max(shared),
             "root_elements": max(self.root),
+            "root_stored_elements": list(self.root),
             "expert_copies": {"elements": max(self.experts), "stride": ep},
         }

@@ -99,6 +99,9 @@ class Layout:
     replica_group: ReplicaGroup | None = None
     expert_copies: ExpertCopies | None = None
     reduce_itemsize: int = 4  # bytes per element of gradient reductions
+    # per rank of the group, the root unit's stored elements (its gradient completes last;
+    # default: an even share of it)
+    root_stored_elements: list[int] | None = None
 
     @classmethod
     def parse(cls, mapping: Any) -> Layout:

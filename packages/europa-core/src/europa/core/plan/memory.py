@@ -11,10 +11,10 @@ workspace) are estimates of the largest moment, not measured.
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Collection
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
+from europa.core.plan.moments import Moment, RankMemory, device_moments
 from europa.spec.layout import ROOT_UNIT, reshards
 from europa.spec.optim import FP32, optimizer_state_bytes, uses_muon
 
@@ -88,6 +88,7 @@ class Activations:
     device: int  # peak bytes kept on the device for one micro-batch
     host: int  # bytes moved to host memory
     per_block: dict[str, int]  # saved bytes per block, before offload
+    recompute: int = 0  # of ``device``, one block's full set while it is recomputed
 
 
 def activations(
@@ -118,9 +119,10 @@ def activations(
         )
         host += moved
         device += per_block[block.name] - moved
+    recomputed = 0
     if recompute:
-        device += max(b.saved_bytes(tokens) for b in blocks if b.name != "<root>")
-    return Activations(device=device, host=host, per_block=per_block)
+        recomputed = max(b.saved_bytes(tokens) for b in blocks if b.name != "<root>")
+    return Activations(device + recomputed, host, per_block, recomputed)
 
 
 def kept_blocks(units: dict[str, int], policy: str) -> list[str]:
@@ -135,31 +137,58 @@ def _block_index(unit: str) -> tuple[int, str]:
     return (int(tail), unit) if tail.isdigit() else (-1, unit)
 
 
-def transient_buffers(
-    layout: dict,
-    compute_bytes: int,
-    reduce_bytes: int,
-    expert_buffer_bytes: int,
-    kept: Collection[str] = (),
-) -> dict[str, int]:
-    """The gathered parameters: the largest unit in use and the next one prefetched, or,
-    where more, the blocks kept from forward to backward (``kept``: ``kept_blocks``) and
-    the largest other unit (the root, or one prefetched); the largest unit's unsharded
-    gradient and reduce-scatter input, the expert all-to-all buffers of one layer, and
-    Muon's gathered matrix in ``optimizer.step()``."""
-    units = layout["gathered_unit_elements"]
-    largest = max(units.values(), default=0)
-    others = max((n for u, n in units.items() if u not in kept), default=0)
-    gradient = largest * compute_bytes + (
-        largest * reduce_bytes if reduce_bytes != compute_bytes else 0
-    )
-    return {
-        "gathered_parameters": max(2 * largest, sum(units[u] for u in kept) + others)
-        * compute_bytes,
-        "gradient_buffers": gradient,
-        "expert_buffers": expert_buffer_bytes,
-        "optimizer_workspace": 3 * FP32 * layout.get("largest_step_gather_elements", 0),
-    }
+@dataclass(frozen=True)
+class MemoryModel:
+    """What the device-memory moments (``europa.core.plan.moments``) need, for any rank of
+    the layout's group."""
+
+    layout: dict
+    state: RankState
+    offload: HostOffload
+    model_buffers: int
+    compute_bytes: int
+    reduce_bytes: int
+    activations: Activations  # one micro-batch's
+    expert_buffers: int
+    kept_blocks: list[str]
+    micro_batches: int
+
+    def moments(self, rank: int) -> list[Moment]:
+        state, offload = self.state, self.offload
+        optimizer_state = state.optimizer_state[rank]
+        if offload.optimizer_state:  # on the host between steps, a chunk at a time in it
+            between, during = 0, min(optimizer_state, offload.optimizer_chunk_bytes)
+        else:
+            between = during = optimizer_state
+        memory = RankMemory(
+            parameters=state.parameters[rank],
+            gradients=state.gradients[rank],
+            optimizer_state=between,
+            optimizer_step_state=during,
+            root_gradients=FP32 * _root_elements(self.layout, rank),
+            model_buffers=self.model_buffers,
+        )
+        return device_moments(
+            self.layout,
+            memory,
+            compute_bytes=self.compute_bytes,
+            reduce_bytes=self.reduce_bytes,
+            activations=self.activations.device,
+            recomputed=self.activations.recompute,
+            expert_buffers=self.expert_buffers,
+            kept_blocks=self.kept_blocks,
+            micro_batches=self.micro_batches,
+        )
+
+
+def _root_elements(layout: dict, rank: int) -> int:
+    """The root unit's elements ``rank`` stores (an even share where the layout does not
+    say)."""
+    per_rank = layout.get("root_stored_elements")
+    if per_rank:
+        return per_rank[rank]
+    root = layout["gathered_unit_elements"].get(ROOT_UNIT, 0)
+    return -(-root // layout["gather_group_size"])
 
 
 def unique_state_bytes(parameters, optimizer: str) -> int:

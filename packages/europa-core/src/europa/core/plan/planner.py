@@ -25,12 +25,13 @@ from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
     Activations,
     HostOffload,
+    MemoryModel,
     RankState,
     activations,
     kept_blocks,
-    transient_buffers,
     unique_state_bytes,
 )
+from europa.core.plan.moments import Moment, peak
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.timing import (
     LAYOUT_OVERLAPPED,
@@ -85,6 +86,9 @@ class Plan:
     checkpoint_stage_s: float = 0.0
     host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
+    memory: MemoryModel | None = None  # recomputes the moments for any rank
+    moments: list[Moment] = field(default_factory=list)  # the most loaded rank's
+    peak_moment: str = ""  # the moment device_terms are taken at
 
     @property
     def device_total(self) -> int:
@@ -135,6 +139,16 @@ class Plan:
             "gradients": self.state.gradients[r],
             "optimizer_state": self.state.optimizer_state[r],
         }
+
+    def terms_of(self, global_rank: int) -> tuple[dict[str, int], dict[str, int]]:
+        """(device, host) memory terms of one global rank at its own peak moment."""
+        r = global_rank % self.layout["group_size"]
+        top = peak(self.memory.moments(r))
+        fixed = {k: v for k, v in self.device_terms.items() if k in (STAGING, "reserved")}
+        host = dict(self.host_terms)
+        if host.get("optimizer_state"):
+            host["optimizer_state"] = self.state.optimizer_state[r]
+        return {**top.terms, **fixed}, host
 
     def refusal(self) -> str | None:
         """The one line both ``europa plan`` and ``europa train`` print when it does not fit."""
@@ -264,17 +278,21 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     expert_buffers = 0
     if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
         expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
-    device_terms = {
-        "parameters": state.parameters[rank],
-        "gradients": state.gradients[rank],
-        "optimizer_state": min(optimizer_state, offload.optimizer_chunk_bytes)
-        if offload.optimizer_state
-        else optimizer_state,
-        "activations": acts.device,
-        **transient_buffers(layout, compute_bytes, reduce_bytes, expert_buffers, kept_gathered),
-        **device_staging,
-        "reserved": hardware.reserved_bytes,
-    }
+    memory = MemoryModel(
+        layout=layout,
+        state=state,
+        offload=offload,
+        model_buffers=shapes.buffer_bytes,
+        compute_bytes=compute_bytes,
+        reduce_bytes=reduce_bytes,
+        activations=acts,
+        expert_buffers=expert_buffers,
+        kept_blocks=kept_gathered,
+        micro_batches=training.grad_accum_steps,
+    )
+    moments = memory.moments(rank)
+    top = peak(moments)
+    device_terms = {**top.terms, **device_staging, "reserved": hardware.reserved_bytes}
     host_terms = {"activations": acts.host, "optimizer_state": optimizer_on_host, **host_staging}
     ranks_per_node = min(world_size, hardware.gpus_per_node)
     host_capacity = (
@@ -338,6 +356,9 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},
+        memory=memory,
+        moments=moments,
+        peak_moment=top.name,
         checkpoint_bytes=checkpoint,
         checkpoint_write_s=write_s,
         checkpoint_stage_bytes=stage,

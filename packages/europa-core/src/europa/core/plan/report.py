@@ -52,6 +52,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "capacity": plan.host_capacity,
                 "fits": plan.fits_host,
             },
+            "device_moments": {m.name: m.terms | {"total": m.total} for m in plan.moments},
+            "device_peak_moment": plan.peak_moment,
             "state_bytes": {"max": max(state), "min": min(state), "mean": sum(state) / len(state)},
             "saved_activations_per_block": plan.activations.per_block,
             "activations_by_checkpointing_mode": plan.activations_by_mode,
@@ -106,6 +108,9 @@ def plan_table(plan: Plan) -> str:
         f"per token, {_count(counts.routed_experts)} in routed experts",
         "",
         _row("memory per rank (most loaded)", "device", "host"),
+        f"  (device: at its peak moment, {plan.peak_moment}; "
+        + ", ".join(f"{m.name} {human(m.total)}" for m in plan.moments)
+        + ", before the reserve)",
     ]
     host = plan.host_terms
     for term, value in plan.device_terms.items():

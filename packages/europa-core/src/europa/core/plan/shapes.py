@@ -32,10 +32,13 @@ class ParameterShape:
 
 @dataclass(frozen=True)
 class ModelShapes:
-    """Trainable parameters in model order, and the counts ``europa train`` prints."""
+    """Trainable parameters in model order, the counts ``europa train`` prints, and the
+    bytes of the model's buffers (RoPE tables, expert counters), which every rank holds
+    whole whatever the layout."""
 
     parameters: tuple[ParameterShape, ...]
     counts: ParameterCounts
+    buffer_bytes: int = 0
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelShapes:
@@ -44,7 +47,8 @@ class ModelShapes:
             for name, p in model.named_parameters()
             if p.requires_grad
         )
-        return cls(params, count_parameters(model))
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        return cls(params, count_parameters(model), buffers)
 
     def units(self) -> dict[str, list[ParameterShape]]:
         """Parameters by gather unit, blocks in model order, the root last."""
