@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from europa.spec.tags import mark_traffic
+from europa.spec.tags import mark_memory, mark_traffic
 
 GATHER, REDUCE_SCATTER = "parameter_gather", "gradient_reduce_scatter"
 _TAGS = {GATHER: 1, REDUCE_SCATTER: 2}
@@ -61,6 +61,12 @@ class DirectWork:
             finish, self.finish = self.finish, None
             finish()
         return True
+
+
+def _buffer_like(piece: torch.Tensor) -> torch.Tensor:
+    buffer = torch.empty_like(piece)
+    mark_memory(buffer, "gradient_buffers")
+    return buffer
 
 
 def _send(tensor: torch.Tensor, peer: int, group, kind: str):
@@ -110,7 +116,7 @@ def reduce_scatter_pieces(
     ranks = len(outgoing)
     peers = [peer for peer in range(ranks) if peer != rank]
     works = [_send(part, peer, group, REDUCE_SCATTER) for peer in peers for part in outgoing[peer]]
-    received = {peer: [torch.empty_like(piece) for piece in own] for peer in peers}
+    received = {peer: [_buffer_like(piece) for piece in own] for peer in peers}
     works += [_recv(buf, peer, group, REDUCE_SCATTER) for peer in peers for buf in received[peer]]
     sums: list[torch.Tensor] = []
 

@@ -115,7 +115,7 @@ class AsyncSum:
         self.tensors = list(tensors)
         self.flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in self.tensors])
         mark_traffic(self.flat, kind)
-        mark_memory(self.flat, "gradient_buffers")
+        mark_memory(self.flat, "sum_buffers")
         self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def finish(self) -> None:
@@ -316,6 +316,7 @@ class GatherUnit:
             mine, work = rows[0], None
         else:
             mine = rows.new_empty(segments.width)
+            mark_memory(mine, "gradient_buffers")
             work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
                                   async_op=async_op)  # fmt: skip
 
@@ -533,6 +534,9 @@ class GatherUnit:
             self._replica_sum = AsyncSum(grads, self.groups.replicate, self.reduce_dtype)
 
     def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        for grad in grads:  # the unsharded gradients, until reduce-scattered
+            if grad is not None:
+                mark_memory(grad, "gradient_buffers")
         if self._sums_replicas_now():
             self._sum_replicas_now(self.reduce_scatter(grads))
             local_grads = [None] * len(self.slots)  # already in .grad

@@ -21,9 +21,8 @@ GATHERED_PARAMETER = "europa_gathered_parameter"
 # which europa-overlap's timeline and the execution's byte count file it as.
 TRAFFIC = "europa_traffic"
 
-# What a buffer is in the planner's memory terms ("gathered_parameters", "gradient_buffers",
-# "expert_buffers", "activations", "optimizer_state", "checkpoint_staging"), for a ledger
-# that sorts a rank's memory as the plan does.
+# What a buffer is in the planner's memory terms (``MEMORY_TERMS``), for a ledger that sorts
+# a rank's memory as the plan does.
 MEMORY = "europa_memory"
 MEMORY_TERMS = (
     "parameters",
@@ -32,8 +31,10 @@ MEMORY_TERMS = (
     "activations",
     "gathered_parameters",
     "gradient_buffers",
+    "sum_buffers",
     "expert_buffers",
     "optimizer_workspace",
+    "model_buffers",
     "checkpoint_staging",
 )
 
