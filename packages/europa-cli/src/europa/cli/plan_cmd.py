@@ -66,6 +66,27 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             str | None,
             typer.Option("--out", metavar="PATH.toml", help="Where --measure-hardware writes."),
         ] = None,
+        execute: Annotated[
+            str | None,
+            typer.Option(
+                "--execute",
+                metavar="RANKS",
+                help="Then run each of these global ranks' real program of one step (the "
+                "best layout's, with --search) on fake tensors at the planned size, each in a "
+                "process of its own, and print its memory and bytes beside the plan's: ranks "
+                "comma separated, 'last' for the last one.",
+            ),
+        ] = None,
+        routing: Annotated[
+            str | None,
+            typer.Option(
+                "--routing",
+                metavar="MODEL",
+                help="With --execute: how tokens pick experts, which sizes the expert "
+                "exchange: 'uniform' (the default; node-limited as the config sets it) or "
+                "'skew:S' (Zipf popularity with exponent S).",
+            ),
+        ] = None,
     ) -> None:
         """Memory, communication and step time per rank, from the model on the meta device.
         Exit status: 0 fits, 1 does not fit, 2 bad input."""
@@ -75,6 +96,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         overrides = list(set_ or [])
         if out is not None and not measure_hardware:
             raise ConfigError(f"--out = {out!r}: expected only with --measure-hardware")
+        routing_model = _routing_model(execute, routing, measure_hardware)
         if measure_hardware:
             base = hardware or _nearest_shipped_profile()
             _measure(config, overrides, plugin or [], manager, load_profile(base), base, out)
@@ -99,6 +121,10 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             world = nodes * profile.gpus_per_node
         else:
             world = resolved.parallel.nproc
+        if execute is not None:
+            from europa.core.execute.runner import parse_ranks
+
+            ranks = parse_ranks(execute, world)
         from europa.core.job import Job
         from europa.core.plan.shapes import ModelShapes
 
@@ -121,18 +147,55 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
 
         if not search:
             plan = plan_for(resolved, world)
-            print(json.dumps(plan_json(plan), indent=2) if as_json else plan_table(plan))
+            document, text = plan_json(plan), plan_table(plan)
         else:
-            plan = _search(config, overrides, plugin or [], manager, resolved, profile, world,
-                           shapes, plan_for, as_json)  # fmt: skip
+            plan, document, text = _search(config, overrides, plugin or [], manager, resolved,
+                                           profile, world, shapes, plan_for)  # fmt: skip
+        if execute is not None:
+            document["execution"] = _execute(plan, ranks, routing_model)
+            text += "\n\n" + _execution_text(document["execution"])
+        print(json.dumps(document, indent=2) if as_json else text)
         if not plan.fits:
             raise typer.Exit(DOES_NOT_FIT)
 
 
-def _search(source, overrides, plugins, manager, resolved, profile, world, shapes, plan_for,
-            as_json):  # fmt: skip
-    """``--search``: the fastest layouts that fit, printed; the best plan (or, when none
-    fits, the smallest replica's for the config as given)."""
+def _routing_model(execute, routing, measure_hardware):
+    from europa.spec.execution import RoutingModel
+
+    if execute is None:
+        if routing is not None:
+            raise ConfigError(f"--routing = {routing!r}: expected only with --execute")
+        return None
+    if measure_hardware:
+        raise ConfigError(f"--execute = {execute!r}: expected without --measure-hardware")
+    return RoutingModel.parse(routing) if routing is not None else RoutingModel()
+
+
+def _execute(plan, ranks, routing_model) -> list[dict]:
+    import sys
+
+    from europa.core.execute.compare import compare_rank
+    from europa.core.execute.runner import execute_plan
+
+    if not plan.fits:
+        raise ConfigError(f"--execute: {plan.refusal()}; expected a layout that fits")
+
+    def say(rank: int) -> None:
+        print(f"europa plan: executing rank {rank} of {plan.world_size}", file=sys.stderr,
+              flush=True)  # fmt: skip
+
+    return [compare_rank(plan, r) for r in execute_plan(plan, ranks, routing_model, say)]
+
+
+def _execution_text(comparisons) -> str:
+    from europa.core.execute.report import execution_table
+
+    return execution_table(comparisons)
+
+
+def _search(source, overrides, plugins, manager, resolved, profile, world, shapes, plan_for):
+    """``--search``: the fastest layouts that fit; (the best plan, or, when none fits, the
+    smallest replica's for the config as given; its JSON document; its text)."""
     from europa.core.plan.report import plan_json, plan_table
     from europa.core.plan.search import (
         plan_inputs,
@@ -157,25 +220,16 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, shape
     if result.proposals:
         plan = result.proposals[0].plan
         found = {"note": note, "proposals": proposals_json(result)}
-        if as_json:
-            print(json.dumps(plan_json(plan) | {"search": found}, indent=2))
-        else:
-            print(plan_table(plan))
-            print(note)
-            print(proposals_table(result))
-        return plan
+        text = "\n".join([plan_table(plan), note, proposals_table(result)])
+        return plan, plan_json(plan) | {"search": found}, text
     searchable = dataclasses.replace(
         resolved, parallel=dataclasses.replace(resolved.parallel, dp_shard=-1)
     )
     found_plan, replica_note = smallest_replica(searchable, plan_for, profile.gpus_per_node)
     plan = found_plan or plan_for(resolved, world)
     note = f"{note}; {replica_note}"
-    if as_json:
-        print(json.dumps(plan_json(plan) | {"search": {"note": note, "proposals": []}}, indent=2))
-    else:
-        print(plan_table(plan))
-        print(note)
-    return plan
+    found = {"note": note, "proposals": []}
+    return plan, plan_json(plan) | {"search": found}, "\n".join([plan_table(plan), note])
 
 
 def _measure(source, overrides, plugins, manager, base, hardware, out) -> None:

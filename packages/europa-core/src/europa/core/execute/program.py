@@ -1,0 +1,222 @@
+"""One rank's program of one optimizer step, executed on fake tensors at the planned size.
+
+Run in a process of its own (``python -m europa.core.execute.program SPEC.json OUT.json``):
+the fake process group, the stand-in accelerator and the patched ``torch.distributed``
+entry points are process-wide. The program is the trainer's, through the same hooks in
+the same order (``europa.core.train.assemble``), with no data:
+
+build → shard → wrap → materialise (nothing drawn: values do not exist) → optimizer →
+one step (every micro-batch's forward and backward, the once-a-step sums, clipping, the
+expert-bias update, the optimizer step) → a checkpoint save's planning (what DCP would
+write, not the write) → teardown.
+
+What it does not run: data loading (micro-batches are token-id tensors of the configured
+shape), the metrics a step writes (``europa_after_step``), and the write itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import resource
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from europa.core.execute import standin
+from europa.core.execute.fake import FakeDeviceMode
+from europa.core.execute.ledger import DEVICE, HOST, MemoryLedger
+from europa.core.execute.traffic import TrafficCount
+from europa.spec.execution import Execution, RoutingModel
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank's execution needs, as plain values (the parent writes it as JSON)."""
+
+    config_path: str  # the resolved config, as TOML
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    device: str  # the planned device type: "cuda" (the stand-in runs it) or "cpu"
+    backend: str  # "nccl" or "gloo": the transfers the planned run takes
+    routing: str  # RoutingModel.parse's form
+    host_bytes_per_rank: int | None = None
+
+    def execution(self) -> Execution:
+        return Execution(
+            routing=RoutingModel.parse(self.routing),
+            backend=self.backend,
+            host_bytes_per_rank=self.host_bytes_per_rank,
+        )
+
+
+def _fake_process_group(rank: int, world: int) -> None:
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+
+
+def _local_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if not p.is_meta]
+
+
+def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
+    inner = getattr(optimizer, "optimizer", optimizer)  # europa-offload's wrapper
+    return [
+        value
+        for state in inner.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor)
+    ]
+
+
+def execute(spec: RankSpec) -> dict[str, Any]:
+    from europa.core.job import Job
+    from europa.core.launch.distributed import MESH_AXES, mesh_shape
+    from europa.core.model.load_balance import update_expert_bias
+    from europa.core.session import open_session
+    from europa.core.train.assemble import build_optimizer, place_model
+    from europa.core.train.loop import next_token_loss
+
+    started = time.perf_counter()
+    config, manager = open_session(Path(spec.config_path))
+    device = standin.install() if spec.device == "cuda" else torch.device("cpu")
+    _fake_process_group(spec.rank, spec.world_size)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(
+        device.type, mesh_shape(config.parallel, spec.world_size), mesh_dim_names=MESH_AXES
+    )
+    job = Job(
+        config=config,
+        run_dir=Path("."),
+        rank=spec.rank,
+        world_size=spec.world_size,
+        local_rank=spec.rank % spec.ranks_per_node,
+        ranks_per_node=spec.ranks_per_node,
+        device=device,
+        mesh=mesh,
+        execution=spec.execution(),
+    )
+    ledger = MemoryLedger(device_type=device.type)
+    traffic = TrafficCount(rank=spec.rank, per_node=job.node_size)
+    mode = FakeDeviceMode(observers=[ledger, traffic])
+    hook = manager.hook
+    seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(name: str, timed: str | None = None):
+        ledger.phase = name
+        begun = time.perf_counter()
+        yield
+        if timed:
+            seconds[timed] = seconds.get(timed, 0.0) + time.perf_counter() - begun
+
+    training = config.training
+
+    def step(index: int) -> None:
+        with ExitStack() as stack:
+            for context in hook.europa_step_context(job=job, step=index):
+                if context is not None:
+                    stack.enter_context(context)
+            for _ in range(training.grad_accum_steps):
+                shape = (training.batch_size, training.seq_len)
+                inputs = torch.zeros(shape, dtype=torch.long, device=device)
+                with phase("forward", "forward"):
+                    loss = next_token_loss(model, inputs, inputs)
+                with phase("backward", "backward"):
+                    (loss / training.grad_accum_steps).backward()
+            with phase("optimizer", "optimizer"):
+                ledger.name_state("gradients", [p.grad for p in _local_parameters(model)])
+                hook.europa_clip_gradients(job=job, model=model, max_norm=training.max_grad_norm)
+                update_expert_bias(model)
+                job.optimizer.step()
+                ledger.name_state("optimizer_state", _optimizer_tensors(job.optimizer))
+                job.optimizer.zero_grad(set_to_none=True)
+
+    error = None
+    try:
+        with ledger, traffic, mode:
+            with phase("setup", "assemble"):
+                model = hook.europa_build_model(job=job)
+                model = place_model(job, manager, model, lambda name, index, out: None)
+                model.train()
+                ledger.name_state("parameters", _local_parameters(model))
+                ledger.name_state("model_buffers", model.buffers())
+                _, state = build_optimizer(job, manager, model)
+            # The first step makes the optimizer state (on the device, where europa-offload
+            # finds it to move); the second is every later step: it is the one measured.
+            step(0)
+            ledger.restart_peaks()
+            traffic.counting = True
+            step(1)
+            peaks = {kind: ledger.peak(kind) for kind in (DEVICE, HOST)}
+            by_phase = {kind: ledger.phase_peaks(kind) for kind in (DEVICE, HOST)}
+            traffic.counting = False
+            with phase("setup", "checkpoint_plan"):
+                checkpoint = _checkpoint_plan(state, spec.rank == 0)
+    except BaseException as err:
+        error = err
+        raise
+    finally:
+        manager.teardown(job, error)
+        dist.destroy_process_group()
+    return {
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        "device": spec.device,
+        "backend": spec.backend,
+        "routing": spec.routing,
+        "stand_in": standin.STANDIN_NOTE if spec.device == "cuda" else None,
+        "memory": {
+            kind: asdict(peak) | {"by_phase": by_phase[kind]} for kind, peak in peaks.items()
+        },
+        "traffic": traffic.by_kind(),
+        "calls": {f"{k}/{link}": n for (k, link), n in sorted(traffic.calls.items())},
+        "checkpoint": checkpoint,
+        "stand_in_reads": dict(mode.scalar_reads),
+        "storages": ledger.storages(),
+        "seconds": seconds | {"total": time.perf_counter() - started},
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def _checkpoint_plan(state, coordinator: bool) -> dict[str, Any]:
+    """What this rank offers DCP to write: items and bytes of its local save plan."""
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    from europa.core.checkpoint.store import checkpoint_content
+
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(checkpoint_content(state, {"step": 1}), is_coordinator=coordinator)
+    plan = planner.create_local_plan()
+    tensor_bytes, items = 0, 0
+    for item in plan.items:
+        items += 1
+        if item.type != WriteItemType.BYTE_IO and item.tensor_data is not None:
+            chunk = item.tensor_data.chunk
+            numel = 1
+            for size in chunk.sizes:
+                numel *= size
+            tensor_bytes += numel * item.tensor_data.properties.dtype.itemsize
+    return {"items": items, "tensor_bytes": tensor_bytes}
+
+
+def main(argv: list[str] | None = None) -> int:
+    spec_path, out_path = (argv if argv is not None else sys.argv[1:])[:2]
+    spec = RankSpec(**json.loads(Path(spec_path).read_text()))
+    result = execute(spec)
+    Path(out_path).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
