@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import pickle
@@ -39,13 +40,39 @@ PRELOAD = [
     "europa.flexshard.plugin",
     "europa.offload.plugin",
     "europa.overlap.plugin",
-    "tests.trainer_runs",
 ]
+# and then, after every europa module, the test modules every rank imports
+PRELOAD_TESTS = [
+    "tests.trainer_runs",
+    "tests.conftest",  # where every rank starts (_rank_main), with pytest and hypothesis
+]
+
+
+@functools.cache
+def _europa_modules() -> list[str]:
+    """Every module of the installed europa packages but their ``__main__``: the plugins
+    import most of theirs only when a hook first runs, which every rank would repeat. Only
+    those that import here: the fork server stops at an import that fails otherwise."""
+    import importlib
+    import pkgutil
+
+    import europa
+
+    names = []
+    for module in pkgutil.walk_packages(europa.__path__, "europa.", onerror=lambda name: None):
+        if module.name.endswith(".__main__"):
+            continue
+        try:
+            importlib.import_module(module.name)
+        except Exception:
+            continue
+        names.append(module.name)
+    return names
 
 
 def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
+    ctx.set_forkserver_preload([*PRELOAD, *_europa_modules(), *PRELOAD_TESTS])
     return ctx
 
 
