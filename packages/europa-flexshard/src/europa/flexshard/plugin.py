@@ -495,5 +495,6 @@ class _OwnedElements:
             "replicated_elements": max(shared),
             "root_elements": max(self.root),
             "root_stored_elements": list(self.root),
+            "expert_stored_elements": list(self.experts),
             "expert_copies": {"elements": max(self.experts), "stride": ep},
         }

@@ -102,6 +102,8 @@ class Layout:
     # per rank of the group, the root unit's stored elements (its gradient completes last;
     # default: an even share of it)
     root_stored_elements: list[int] | None = None
+    # per rank of the group, the routed experts' stored elements (resident, never gathered)
+    expert_stored_elements: list[int] | None = None
 
     @classmethod
     def parse(cls, mapping: Any) -> Layout:

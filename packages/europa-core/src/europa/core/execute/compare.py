@@ -52,7 +52,7 @@ def compare_rank(plan, result: dict[str, Any]) -> dict[str, Any]:
     """``result`` (``europa.core.execute.program.execute``'s) beside ``plan``."""
     device, host = plan.terms_of(result["rank"])
     not_executed = {term: device.pop(term) for term in UNPLANNED_DEVICE if term in device}
-    planned_traffic = {(t.kind, t.link): t.bytes_per_step for t in plan.traffic}
+    planned_traffic = {(t.kind, t.link): t.bytes_per_step for t in plan.traffic_of(result["rank"])}
     executed_traffic = {
         (kind, link): nbytes
         for kind, links in result["traffic"].items()

@@ -27,6 +27,7 @@ real (``_only_lift_cpu_tensors``), so the mode sets it in whichever thread it ru
 from __future__ import annotations
 
 import math
+import threading
 import traceback
 from collections import Counter
 from collections.abc import Sequence
@@ -65,6 +66,7 @@ class FakeDeviceMode(FakeTensorMode):
         super().__init__(allow_non_fake_inputs=True)
         self.observers = list(observers)
         self.scalar_reads: Counter[str] = Counter()
+        self._nesting = threading.local()  # .depth: ops this mode is dispatching, per thread
 
     @property
     def avoid_device_init(self) -> bool:  # never allocate on a device for real
@@ -78,11 +80,18 @@ class FakeDeviceMode(FakeTensorMode):
             return None
         if func is aten._local_scalar_dense.default and isinstance(args[0], FakeTensor):
             return self._answer_read(args[0])
-        if _host_index_op(func, args, kwargs):
+        # An op the fake mode dispatches while running another (a decomposition's factory)
+        # is part of that op: fake, whatever it makes.
+        depth = getattr(self._nesting, "depth", 0)
+        if not depth and _host_index_op(func, args, kwargs):
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         args, kwargs = tree_map_only(torch.Tensor, self._fake, (args, kwargs))
-        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._nesting.depth = depth + 1
+        try:
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            self._nesting.depth = depth
         for observer in self.observers:
             observer.op(func, args, kwargs, out)
         return out

@@ -89,6 +89,7 @@ class Plan:
     memory: MemoryModel | None = None  # recomputes the moments for any rank
     moments: list[Moment] = field(default_factory=list)  # the most loaded rank's
     peak_moment: str = ""  # the moment device_terms are taken at
+    traffic_inputs: dict[str, Any] = field(default_factory=dict)  # step_traffic's, for traffic_of
 
     @property
     def device_total(self) -> int:
@@ -149,6 +150,22 @@ class Plan:
         if host.get("optimizer_state"):
             host["optimizer_state"] = self.state.optimizer_state[r]
         return {**top.terms, **fixed}, host
+
+    def traffic_of(self, global_rank: int) -> list[Traffic]:
+        """The bytes one global rank sends per step: ``traffic`` with that rank's own
+        optimizer state where europa-offload moves it."""
+        inputs = dict(self.traffic_inputs)
+        r = global_rank % self.layout["group_size"]
+        if inputs.get("host_optimizer_bytes"):
+            inputs["host_optimizer_bytes"] = self.state.optimizer_state[r]
+        layout = inputs["layout"] = dict(inputs["layout"])
+        experts = layout.get("expert_stored_elements")
+        if experts is not None:  # the replicas sum what is not an expert
+            layout["replicated_elements"] = layout["stored_elements"][r] - experts[r]
+        roots = layout.get("root_stored_elements")
+        if roots and layout.get("replica_group"):
+            layout["replica_group"] = dict(layout["replica_group"], tail_elements=roots[r])
+        return step_traffic(**inputs)
 
     def refusal(self) -> str | None:
         """The one line both ``europa plan`` and ``europa train`` print when it does not fit."""
@@ -300,7 +317,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         if offload.budget_bytes_per_rank is not None
         else hardware.host_bytes_per_rank()
     )
-    traffic = step_traffic(
+    traffic_inputs = dict(
         layout=layout,
         world_size=world_size,
         replicas=mesh[0],
@@ -312,6 +329,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         host_optimizer_bytes=optimizer_on_host,
         kept_blocks=kept_gathered,
     )
+    traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
     write_s = write_seconds(checkpoint, world_size // per_node, per_node,
                             hardware.filesystem_gbps, config.checkpoint.max_write_mbps)  # fmt: skip
@@ -359,6 +377,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         memory=memory,
         moments=moments,
         peak_moment=top.name,
+        traffic_inputs=traffic_inputs,
         checkpoint_bytes=checkpoint,
         checkpoint_write_s=write_s,
         checkpoint_stage_bytes=stage,

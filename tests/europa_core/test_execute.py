@@ -1,0 +1,99 @@
+"""``europa plan --execute``: a Kimi-K2-shaped model with the seed scenario's layout, executed
+on fake tensors at 128 ranks (2 replicas of 16 nodes), against its plan; bad input; the fake
+mode's rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from europa.cli.app import run
+
+# Kimi-K2's shape with 3 layers (the first dense) and the seed's layout rules: whole experts
+# over an ep group spanning nodes (two-level exchange, FP8 payload, kept exchanges, at most
+# 4 nodes a token), the non-expert matrices within a node, offload, overlap, recomputation.
+SMALL_SEED = [
+    "plan", "kimi-k2", "--hardware", "gh200-jupiter", "--replicas", "2",
+    "--gpus-per-replica", "64", "-p", "flexshard", "-p", "offload", "-p", "overlap",
+    "--set", "model.n_layers=3", "--set", "parallel.ep=64",
+    "--set", "parallel.ep_max_nodes_per_token=4",
+    "--set", 'activation_checkpointing.mode="full"', "--set", "offload.optimizer_state=true",
+    "--set", 'flexshard.dense_group="node"', "--set", 'flexshard.reduce_dtype="bfloat16"',
+    "--set", 'parallel.ep_dispatch_dtype="float8_e4m3fn"',
+    "--set", "parallel.ep_keep_exchanges=true",
+]  # fmt: skip
+
+
+def _run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = run(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.slow
+def test_a_kimi_k2_shaped_model_executes_at_128_ranks_as_planned(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, out, _ = _run(capsys, *SMALL_SEED, "--execute", "1,last", "--json")
+    assert code == 0
+    document = json.loads(out)
+    executed = document["execution"]
+    assert [e["rank"] for e in executed] == [1, 127]  # node 0, and a node of replica 1
+    for rank in executed:
+        device, host = rank["memory"]["device"], rank["memory"]["host"]
+        assert abs(device["ratio"] - 1) <= 0.10, device
+        assert abs(host["ratio"] - 1) <= 0.10, host
+        planned = {(t["kind"], t["link"]) for t in rank["traffic"] if t["planned"]}
+        kinds = {"parameter_gather", "gradient_reduce_scatter", "gradient_replica_all_reduce",
+                 "expert_gradient_all_reduce", "expert_all_to_all", "host_copies"}  # fmt: skip
+        assert {kind for kind, _ in planned} == kinds
+        for row in rank["traffic"]:
+            assert row["agrees"], row
+            if row["planned"]:
+                assert abs(row["ratio"] - 1) <= 0.05, row
+        assert rank["agrees"]
+        assert rank["stand_in"] and rank["memory"]["planned_not_executed"]["reserved"] > 0
+    assert list(tmp_path.iterdir()) == []  # an execution writes nothing
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        (["--execute", "128"], "'128' is not a rank of the 128"),
+        (["--execute", "0,x"], "'x' is not a rank"),
+        (["--execute", "0", "--routing", "zipf"], "routing model 'zipf'"),
+        (["--execute", "0", "--routing", "skew:-2"], "routing model 'skew:-2'"),
+        (["--routing", "skew:1"], "--routing = 'skew:1': expected only with --execute"),
+        (["--set", "training.seq_len=65536", "--execute", "0"], "--execute: kimi-k2: 128 rank(s)"),
+    ],
+)
+def test_bad_execute_input_is_one_line_exit_2_and_writes_nothing(
+    capsys, tmp_path, monkeypatch, extra, says
+):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = _run(capsys, *SMALL_SEED, *extra)
+    assert code == 2
+    assert says in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert "executing rank" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fake_integer_read_is_refused_and_a_float_read_answered_and_listed():
+    from europa.core.execute.fake import DataDependentRead, FakeDeviceMode
+
+    with FakeDeviceMode() as mode:
+        loss = torch.empty(3).sum()
+        assert loss.item() == 1.0  # the stand-in value
+        with pytest.raises(DataDependentRead, match="routing model"):
+            torch.empty(3).long().sum().item()  # made from a fake tensor: fake
+        index = torch.arange(5)  # host index arithmetic runs for real
+        assert index.tolist() == [0, 1, 2, 3, 4]
+        assert torch.empty(10**6).untyped_storage().nbytes() == 4 * 10**6  # fake, not real
+    (site,) = mode.scalar_reads
+    assert site.endswith(f"test_execute.py:{_line_of('loss.item()')}")
+
+
+def _line_of(text: str) -> int:
+    with open(__file__) as source:
+        return next(i for i, line in enumerate(source, 1) if text in line and "==" in line)
