@@ -10,6 +10,8 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from europa.core.run_dir import CACHE
+
 
 @dataclass(frozen=True)
 class Run:
@@ -18,6 +20,22 @@ class Run:
     plugins: list[str] = field(default_factory=list)
     resume_from: str | None = None  # another run's name: its step-2 checkpoint
     preset: str = "tiny"
+
+
+# This process's runs by their [data] table: the run whose cache holds that data prepared.
+_PREPARED: dict[str, Path] = {}
+
+
+def _seed_cache(config, run_dir: Path) -> None:
+    """Rank 0, before its Trainer opens the data: the corpus an earlier run of this group
+    with the same ``[data]`` prepared (the cache's ``text-*`` folders are keyed by the text,
+    tokenizer and field), copied into this run's cache instead of tokenised again."""
+    earlier = _PREPARED.get(repr(config.data))
+    if earlier is None or earlier == run_dir:
+        return
+    for folder in (earlier / CACHE).glob("text-*"):
+        if not (run_dir / CACHE / folder.name).exists():
+            shutil.copytree(folder, run_dir / CACHE / folder.name)
 
 
 def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: bool = False):
@@ -30,7 +48,12 @@ def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: 
     device, mesh = init_distributed(config.parallel, place)
     job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
               local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-    return Trainer(job, plugins, resume)
+    if rank == 0:
+        _seed_cache(config, run_dir)
+    trainer = Trainer(job, plugins, resume)
+    if rank == 0:
+        _PREPARED.setdefault(repr(config.data), run_dir)
+    return trainer
 
 
 def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, list[dict]]:
