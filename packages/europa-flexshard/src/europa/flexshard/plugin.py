@@ -289,10 +289,23 @@ def europa_plan(job, plan):
     } | once_a_step
     bf16 = cfg.training.dtype == "bfloat16"
     layout["reduce_itemsize"] = 2 if bf16 and cfg.section(NAME).reduce_dtype == "bfloat16" else 4
+    layout["direct_transfers"] = _transfers_directly(job, plan)
     if shard_ranks == 1 and not bf16:  # whole on each rank, used in place: nothing gathered
         layout["gathered_unit_elements"] = layout["gathered_unit_wire_elements"] = {}
+        layout["unit_rank_elements"] = {}
     plan["layout"] = layout
     plan[NAME] = summary
+
+
+def _transfers_directly(job, plan) -> bool:
+    """Whether the planned run's gathers are direct transfers (``europa.flexshard.direct``):
+    on gloo, the backend CPU ranks use (or the one an execution names)."""
+    execution = getattr(job, "execution", None)
+    backend = execution.backend if execution is not None else job.config.parallel.backend
+    if backend == "auto":
+        device = plan.get("hardware", {}).get("device", "cuda")
+        backend = "gloo" if device == "cpu" else "nccl"
+    return backend == "gloo"
 
 
 def owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
@@ -484,6 +497,7 @@ class _OwnedElements:
             "gathered_unit_wire_elements": {
                 unit: self.ranks * max(shares) for unit, shares in self.by_unit.items()
             },
+            "unit_rank_elements": {unit: list(shares) for unit, shares in self.by_unit.items()},
             "gather_group_size": self.ranks,
             "optimizer_step_gather_elements": 0,
             "largest_step_gather_elements": 0,

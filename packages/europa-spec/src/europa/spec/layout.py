@@ -104,6 +104,10 @@ class Layout:
     root_stored_elements: list[int] | None = None
     # per rank of the group, the routed experts' stored elements (resident, never gathered)
     expert_stored_elements: list[int] | None = None
+    # gathers and reduce-scatters as direct transfers, each rank's pieces sent once, exactly
+    # (europa-flexshard on gloo), with each unit's elements per rank of the gather group
+    direct_transfers: bool = False
+    unit_rank_elements: dict[str, list[int]] | None = None
 
     @classmethod
     def parse(cls, mapping: Any) -> Layout:

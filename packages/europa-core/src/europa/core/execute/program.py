@@ -78,19 +78,17 @@ def _optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 
 def execute(spec: RankSpec) -> dict[str, Any]:
+    """The rank of ``spec`` on fake tensors and the fake process group (this process's)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
     from europa.core.job import Job
     from europa.core.launch.distributed import MESH_AXES, mesh_shape
-    from europa.core.model.load_balance import update_expert_bias
     from europa.core.session import open_session
-    from europa.core.train.assemble import build_optimizer, place_model
-    from europa.core.train.loop import next_token_loss
 
     started = time.perf_counter()
     config, manager = open_session(Path(spec.config_path))
     device = standin.install() if spec.device == "cuda" else torch.device("cpu")
     _fake_process_group(spec.rank, spec.world_size)
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = init_device_mesh(
         device.type, mesh_shape(config.parallel, spec.world_size), mesh_dim_names=MESH_AXES
     )
@@ -108,7 +106,47 @@ def execute(spec: RankSpec) -> dict[str, Any]:
     ledger = MemoryLedger(device_type=device.type)
     traffic = TrafficCount(rank=spec.rank, per_node=job.node_size)
     mode = FakeDeviceMode(observers=[ledger, traffic])
-    hook = manager.hook
+    try:
+        with mode:
+            measured = run_step_program(job, manager, traffic, ledger)
+    finally:
+        dist.destroy_process_group()
+    return {
+        "rank": spec.rank,
+        "world_size": spec.world_size,
+        "device": spec.device,
+        "backend": spec.backend,
+        "routing": spec.routing,
+        "stand_in": standin.STANDIN_NOTE if spec.device == "cuda" else None,
+        **measured,
+        "stand_in_reads": dict(mode.scalar_reads),
+        "storages": ledger.storages(),
+        "seconds": measured["seconds"] | {"total": time.perf_counter() - started},
+        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    }
+
+
+def run_step_program(
+    job,
+    manager,
+    traffic: TrafficCount,
+    ledger: MemoryLedger | None = None,
+    initialiser=None,
+    balanced_routing: bool = False,
+) -> dict[str, Any]:
+    """The trainer's phases and two steps on ``job`` (the second one counted), with its
+    bytes in ``traffic`` and, with a ``ledger`` (fake tensors), its memory; then DCP's save
+    planning. ``initialiser(model)``: what draws real values (default: nothing drawn, for
+    fake tensors).
+    ``balanced_routing``: torchtitan's round-robin routing, the exact counts of a uniform
+    routing model where every expert gets the same share (a real run checked against its
+    execution)."""
+    from europa.core.model.load_balance import update_expert_bias
+    from europa.core.train.assemble import build_optimizer, place_model
+    from europa.core.train.loop import next_token_loss
+
+    ledger = ledger or MemoryLedger(device_type=job.device.type)
+    hook, training, device = manager.hook, job.config.training, job.device
     seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -118,8 +156,6 @@ def execute(spec: RankSpec) -> dict[str, Any]:
         yield
         if timed:
             seconds[timed] = seconds.get(timed, 0.0) + time.perf_counter() - begun
-
-    training = config.training
 
     def step(index: int) -> None:
         with ExitStack() as stack:
@@ -143,10 +179,15 @@ def execute(spec: RankSpec) -> dict[str, Any]:
 
     error = None
     try:
-        with ledger, traffic, mode:
+        with ledger, traffic:
             with phase("setup", "assemble"):
                 model = hook.europa_build_model(job=job)
-                model = place_model(job, manager, model, lambda name, index, out: None)
+                if balanced_routing:
+                    for module in model.modules():
+                        if hasattr(module, "_debug_force_load_balance"):
+                            module._debug_force_load_balance = True
+                init_matrix = initialiser(model) if initialiser else _no_values
+                model = place_model(job, manager, model, init_matrix)
                 model.train()
                 ledger.name_state("parameters", _local_parameters(model))
                 ledger.name_state("model_buffers", model.buffers())
@@ -157,35 +198,29 @@ def execute(spec: RankSpec) -> dict[str, Any]:
             ledger.restart_peaks()
             traffic.counting = True
             step(1)
+            traffic.counting = False
             peaks = {kind: ledger.peak(kind) for kind in (DEVICE, HOST)}
             by_phase = {kind: ledger.phase_peaks(kind) for kind in (DEVICE, HOST)}
-            traffic.counting = False
             with phase("setup", "checkpoint_plan"):
-                checkpoint = _checkpoint_plan(state, spec.rank == 0)
+                checkpoint = _checkpoint_plan(state, job.rank == 0)
     except BaseException as err:
         error = err
         raise
     finally:
         manager.teardown(job, error)
-        dist.destroy_process_group()
     return {
-        "rank": spec.rank,
-        "world_size": spec.world_size,
-        "device": spec.device,
-        "backend": spec.backend,
-        "routing": spec.routing,
-        "stand_in": standin.STANDIN_NOTE if spec.device == "cuda" else None,
         "memory": {
             kind: asdict(peak) | {"by_phase": by_phase[kind]} for kind, peak in peaks.items()
         },
         "traffic": traffic.by_kind(),
         "calls": {f"{k}/{link}": n for (k, link), n in sorted(traffic.calls.items())},
         "checkpoint": checkpoint,
-        "stand_in_reads": dict(mode.scalar_reads),
-        "storages": ledger.storages(),
-        "seconds": seconds | {"total": time.perf_counter() - started},
-        "max_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "seconds": seconds,
     }
+
+
+def _no_values(name: str, index: int, out: torch.Tensor) -> None:
+    """Fake tensors hold no values: nothing to draw."""
 
 
 def _checkpoint_plan(state, coordinator: bool) -> dict[str, Any]:

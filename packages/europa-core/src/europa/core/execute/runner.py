@@ -78,10 +78,15 @@ def execute_plan(
                 device=hardware.device,
                 backend=backend_of(plan.config, hardware.device),
                 routing=routing.describe(),
-                host_bytes_per_rank=plan.host_capacity,
+                host_bytes_per_rank=_host_bytes(plan),
             )
             results.append(_run_rank(spec, Path(folder)))
     return results
+
+
+def _host_bytes(plan) -> int:
+    """The host memory a rank of the planned machine has: a CPU rank's is its memory."""
+    return plan.device_capacity if plan.hardware.device == "cpu" else plan.host_capacity
 
 
 def _run_rank(spec: RankSpec, folder: Path) -> dict[str, Any]:

@@ -167,6 +167,7 @@ class MemoryModel:
             optimizer_step_state=during,
             root_gradients=FP32 * _root_elements(self.layout, rank),
             model_buffers=self.model_buffers,
+            index=rank,
         )
         return device_moments(
             self.layout,

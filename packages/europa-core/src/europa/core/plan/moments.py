@@ -12,7 +12,8 @@ takes the largest of five moments, each the sum of what is alive then:
 * **block backward**, at either end of the blocks: the same gathered units, every
   gradient, that block's unsharded gradients, the rows its reduce-scatter sends
   (``gathered_unit_wire_elements``: the widest share from every rank, on the collectives'
-  path) and the share it receives; at the first block in backward every saved activation
+  path) and the share it receives (by direct transfers, on gloo: a buffer for each other
+  rank's contribution to its own pieces); at the first block in backward every saved activation
   and no once-a-step sum yet, at the last one only the block recomputed and the copies
   every other unit's sum sends (issued in the last backward, held until they finish);
 * **end of backward**: the root unit's turn (its gradient completes last: the embedding's):
@@ -54,6 +55,7 @@ class RankMemory:
     optimizer_step_state: int  # on the device during the optimizer step
     root_gradients: int  # this rank's share of the root unit's gradients
     model_buffers: int
+    index: int = 0  # its position in the gather group
 
 
 def _unit(units: dict[str, int], wire: dict[str, int], unit: str, ranks: int):
@@ -89,8 +91,18 @@ def device_moments(
     earlier = rank.gradients if micro_batches > 1 else 0
     always = {"parameters": rank.parameters, "model_buffers": rank.model_buffers}
 
-    def buffers(full: int, rows: int, share: int) -> int:
-        return full * compute_bytes + (rows + share) * reduce_bytes if ranks > 1 else 0
+    direct = layout.get("direct_transfers") and layout.get("unit_rank_elements") is not None
+
+    def buffers(full: int, rows: int, share: int, unit: str | None) -> int:
+        """A unit's unsharded gradients and what its reduce-scatter sends and receives: the
+        padded rows and this rank's share, or, by direct transfers, a buffer for each other
+        rank's contribution to this rank's pieces."""
+        if ranks == 1:
+            return 0
+        if direct:
+            own = layout["unit_rank_elements"].get(unit, [0] * ranks)[rank.index]
+            rows, share = (ranks - 1) * own, 0
+        return full * compute_bytes + (rows + share) * reduce_bytes
 
     before_step = always | {"optimizer_state": rank.optimizer_state}
     forward = {
@@ -102,7 +114,7 @@ def device_moments(
     block_backward = {
         "gradients": rank.gradients,
         "gathered_parameters": gathered,
-        "gradient_buffers": buffers(block, block_rows, block_share),
+        "gradient_buffers": buffers(block, block_rows, block_share, largest),
         "expert_buffers": expert_buffers,
     }
     first_block = {"activations": activations, "sum_buffers": 0}
@@ -110,7 +122,7 @@ def device_moments(
     end_of_backward = {
         "gradients": rank.gradients - (rank.root_gradients if micro_batches == 1 else 0),
         "gathered_parameters": root * compute_bytes,
-        "gradient_buffers": buffers(root, root_rows, root_share),
+        "gradient_buffers": buffers(root, root_rows, root_share, ROOT_UNIT),
         "sum_buffers": sums - root_sums,
     }
     optimizer = {

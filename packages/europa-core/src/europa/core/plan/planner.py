@@ -165,7 +165,7 @@ class Plan:
         roots = layout.get("root_stored_elements")
         if roots and layout.get("replica_group"):
             layout["replica_group"] = dict(layout["replica_group"], tail_elements=roots[r])
-        return step_traffic(**inputs)
+        return step_traffic(**inputs, rank=global_rank % layout["gather_group_size"])
 
     def refusal(self) -> str | None:
         """The one line both ``europa plan`` and ``europa train`` print when it does not fit."""

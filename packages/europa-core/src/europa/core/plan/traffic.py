@@ -59,6 +59,24 @@ class Traffic:
         return COLLECTIVE.get(self.kind)
 
 
+def _direct_transfers(layout: dict, once: set[str], rank: int | None) -> tuple[int, int]:
+    """Elements one rank sends per micro-batch when each row travels once, straight into
+    place (europa-flexshard on gloo): in a gather its own pieces to every other rank, in a
+    reduce-scatter every other rank's pieces of its gradients to their owners."""
+    shares = layout["unit_rank_elements"]
+    group = layout["gather_group_size"]
+
+    def sent(r: int) -> tuple[int, int]:
+        gathered = sum(own[r] * (group - 1) * (1 if unit in once else 2)
+                       for unit, own in shares.items())  # fmt: skip
+        reduced = sum(sum(own) - own[r] for own in shares.values())
+        return gathered, reduced
+
+    if rank is not None:
+        return sent(rank)
+    return max((sent(r) for r in range(group)), key=sum)
+
+
 def step_traffic(
     *,
     layout: dict,
@@ -71,20 +89,27 @@ def step_traffic(
     host_bytes_per_micro_batch: int,
     host_optimizer_bytes: int,
     kept_blocks: Collection[str] = (),
+    rank: int | None = None,
 ) -> list[Traffic]:
     """``kept_blocks``: the blocks that keep their gathered parameters from forward to
-    backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch."""
+    backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch.
+    ``rank``: the rank of the gather group whose bytes to count where they differ by rank
+    (direct transfers); default: the one that sends most."""
     group = layout["gather_group_size"]
     shard_link = contiguous_link(group, gpus_per_node)
-    # What each gather and reduce-scatter moves: the unit, or its padded rows where the
-    # ranks' shares differ (FlexShard's whole matrices).
-    units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
     # Blocks are gathered for forward and again for backward, unless kept between the
     # two; the root stays gathered between the two.
     once = {ROOT_UNIT, *kept_blocks}
-    passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
-    gathered = passes * compute_bytes * ring_share(group) * micro_batches
-    reduced = sum(units.values()) * reduce_bytes * ring_share(group) * micro_batches
+    if layout.get("direct_transfers") and group > 1:
+        gathered, reduced = _direct_transfers(layout, once, rank)
+    else:
+        # What each gather and reduce-scatter moves: the unit, or its padded rows where the
+        # ranks' shares differ (FlexShard's whole matrices).
+        units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
+        passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
+        gathered, reduced = passes * ring_share(group), sum(units.values()) * ring_share(group)
+    gathered *= compute_bytes * micro_batches
+    reduced *= reduce_bytes * micro_batches
     stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
     replica = layout.get("replica_group") or {
         "size": replicas,
