@@ -39,7 +39,8 @@ def test_the_measured_profile_has_the_shipped_keys_and_plans(measured, capsys):
     assert 0 < profile.matmul_efficiency <= 1
     assert 0 < profile.intra_node_efficiency <= 1 and profile.intra_node_gbps > 0
     collectives = profile.intra_node_collectives  # each at its own share of the link
-    assert set(collectives) == {"all_gather", "reduce_scatter", "all_reduce", "all_to_all"}
+    kinds = {"all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point"}
+    assert set(collectives) == kinds
     assert all(0 < share <= 1 for share in collectives.values())
     assert profile.inter_node_gbps == shipped.inter_node_gbps  # one node: not measured
     # Host copies each way; on CPU one copy between host buffers, the same both ways.

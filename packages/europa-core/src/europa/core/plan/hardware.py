@@ -25,7 +25,9 @@ from europa.spec.units import GIB
 
 _SHIPPED = "europa.core.plan.profiles"
 HOST_TO_DEVICE, DEVICE_TO_HOST = "host_to_device", "device_to_host"
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+# "point_to_point": each rank's pieces sent straight to every other rank (europa-flexshard's
+# gathers and reduce-scatters on gloo), which gloo runs at a rate of its own
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "point_to_point")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -177,6 +177,16 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
 
         def run():
             dist.all_reduce(full, group=group)
+    elif kind == "point_to_point":  # every rank's piece to every other, as direct transfers
+        rank, pieces = dist.get_rank(group), full.view(n, -1)
+
+        peers = [peer for peer in range(n) if peer != rank]
+
+        def run():
+            works = [dist.isend(pieces[rank], group=group, group_dst=p) for p in peers]
+            works += [dist.irecv(pieces[p], group=group, group_src=p) for p in peers]
+            for work in works:
+                work.wait()
     else:
         received = torch.empty_like(full)
 
@@ -241,6 +251,7 @@ def step_message_bytes(shapes: ModelShapes, config) -> dict[str, int]:
         "reduce_scatter": block * 4,
         "all_reduce": block * 4,  # a block's gradients, as replicas sum them
         "all_to_all": tokens * model.top_k * model.dim * compute,
+        "point_to_point": block * compute,  # a block's gather, as direct transfers
     }
 
 

@@ -53,10 +53,11 @@ class Traffic:
     # start when that backward ends (the gradient that completes last).
     window: str = STEP
     tail_bytes: int = 0
+    direct: bool = False  # sent as direct transfers, not as the kind's collective
 
     @property
     def collective(self) -> str | None:
-        return COLLECTIVE.get(self.kind)
+        return "point_to_point" if self.direct else COLLECTIVE.get(self.kind)
 
 
 def _direct_transfers(layout: dict, once: set[str], rank: int | None) -> tuple[int, int]:
@@ -100,7 +101,8 @@ def step_traffic(
     # Blocks are gathered for forward and again for backward, unless kept between the
     # two; the root stays gathered between the two.
     once = {ROOT_UNIT, *kept_blocks}
-    if layout.get("direct_transfers") and group > 1:
+    direct = bool(layout.get("direct_transfers")) and group > 1
+    if direct:
         gathered, reduced = _direct_transfers(layout, once, rank)
     else:
         # What each gather and reduce-scatter moves: the unit, or its padded rows where the
@@ -132,8 +134,8 @@ def step_traffic(
         ]
     }
     out = [
-        Traffic("parameter_gather", shard_link, int(gathered), True),
-        Traffic("gradient_reduce_scatter", shard_link, int(reduced), True),
+        Traffic("parameter_gather", shard_link, int(gathered), True, direct=direct),
+        Traffic("gradient_reduce_scatter", shard_link, int(reduced), True, direct=direct),
         Traffic(
             "gradient_replica_all_reduce",
             strided_link(replicas, replica_stride, gpus_per_node),
