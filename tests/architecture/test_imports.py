@@ -1,6 +1,7 @@
 """The import graph of europa's packages, read with ``ast`` (nothing is imported): no
-cycle anywhere, the planner (``europa.core.plan``) imports no plugin module, and no
-technique package imports europa-core or another technique package.
+cycle anywhere, the planner (``europa.core.plan``) imports no plugin module, no
+technique package imports europa-core or another technique package, and europa-report
+imports only itself and the contract.
 
 Every import counts, at module level or inside a function (a lazy import still ties the
 two modules together), except those under ``if TYPE_CHECKING:``."""
@@ -120,6 +121,12 @@ def test_technique_packages_import_only_themselves_and_the_contract():
             assert not bad, f"{module} imports {bad}"
     for module, targets in _package_imports(graph, "europa.spec").items():
         assert all(t.startswith("europa.spec") for t in targets), (module, targets)
+
+
+def test_the_report_imports_only_itself_and_the_contract():
+    for module, targets in _package_imports(_graph(), "europa.report").items():
+        bad = [t for t in targets if not t.startswith(("europa.report", "europa.spec"))]
+        assert not bad, f"{module} imports {bad}"
 
 
 def test_the_graph_sees_the_imports_it_checks():

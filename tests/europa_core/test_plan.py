@@ -16,7 +16,8 @@ from europa.core.plan import load_profile, make_plan, shipped_profiles
 from europa.core.plan.activations import block_activations
 from europa.core.plan.checkpoint import lost_per_save
 from europa.core.plan.layout import fsdp2_layout
-from europa.core.plan.memory import HostOffload, activations
+from europa.core.plan.memory import activations
+from europa.spec.offload import HostOffload
 from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.search import smallest_replica
 from europa.core.plan.shapes import ModelShapes, ParameterShape

@@ -188,3 +188,56 @@ def test_the_fused_adamw_equals_torchs_on_a_whole_vector_stack():
             assert torch.equal(*results)
         else:
             torch.testing.assert_close(*results, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"keep_last_blocks": "1"}, "['keep_last_blocks'] = '1': expected an integer"),
+        ({"activation_blocks": "layers.*"}, "expected a list of strings"),
+        ({"optimizer_stat": True}, "['optimizer_stat']: unknown key"),
+    ],
+)
+def test_a_broken_host_offload_table_is_one_line_naming_the_plugin_and_the_key(table, message):
+    from europa.spec.offload import HostOffload
+
+    with pytest.raises(LayoutError) as refused:
+        HostOffload.parse(table)
+    text = str(refused.value)
+    assert text.startswith('plugin offload: plan["host_offload"]') and message in text
+    assert is_user_error(refused.value) and "\n" not in text
+
+
+def test_host_offload_moves_the_matching_blocks_but_the_last_kept():
+    from europa.spec.offload import HostOffload
+
+    offload = HostOffload.parse({"activation_blocks": ["layers.*"], "keep_last_blocks": 1})
+    blocks = ["layers.0", "layers.1", "layers.2", "<root>"]
+    assert offload.offloaded_blocks(blocks) == {"layers.0", "layers.1"}
+    assert HostOffload.parse(None) == HostOffload()
+
+
+def test_the_dispatchers_and_initialisers_satisfy_the_contracts_they_are_used_through():
+    from europa.core.hf.load import HFInitialiser
+    from europa.core.model.materialise import MatrixInitialiser
+    from europa.flexshard.flat import FlatDispatcher, FlatRouted
+    from europa.flexshard.nodes import ExpertNodes
+    from europa.flexshard.two_level import TwoLevelDispatcher, TwoLevelRouted
+    from europa.spec.dispatch import ChunkedDispatcher, RoutedExchange
+    from europa.spec.init import InitMatrix, RegionInitMatrix
+
+    ranges = [(0, 4)]
+    for dispatcher in (
+        FlatDispatcher(None, 0, ranges, 2),
+        TwoLevelDispatcher(None, 0, ranges, 2, nodes=ExpertNodes(1)),
+    ):
+        assert isinstance(dispatcher, ChunkedDispatcher)
+    wanted = [m for m in dir(RoutedExchange) if not m.startswith("_")]
+    assert sorted(wanted) == ["arrive", "finish", "send_back"]  # and the chunks attribute
+    for routed in (FlatRouted, TwoLevelRouted):
+        assert all(callable(getattr(routed, m)) for m in wanted)
+        assert isinstance(routed.chunks, property)
+    initialiser = MatrixInitialiser(nn.Linear(2, 2), seed=0)
+    assert isinstance(initialiser, InitMatrix) and not isinstance(initialiser, RegionInitMatrix)
+    assert callable(HFInitialiser.fill_region)  # what makes it a RegionInitMatrix
+    assert not isinstance(lambda name, index, out: None, RegionInitMatrix)

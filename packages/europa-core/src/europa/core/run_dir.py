@@ -9,7 +9,8 @@ training starts), ``checkpoints/step-NNNNNNNN/`` (complete checkpoints;
 training, naming its host and pid), ``progress/rank-N.json`` (where
 each rank is: the step it computes or saves, its pid; see ``europa.core.launch.progress``) and
 ``cache/`` (text prepared for training, written before the run starts). Names and
-paths only: it imports nothing of europa but its errors, so the CLI can use it without
+paths only: it imports nothing of europa but its errors and the contract's file names
+(``europa.spec.run_files``, which europa-report reads too), so the CLI can use it without
 torch; creating and checking a run directory is the launcher's
 (``europa.core.launch.prepare``).
 """
@@ -21,13 +22,14 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from europa.spec.run_files import CONFIG_FILE as CONFIG_FILE  # the names a reader shares
+from europa.spec.run_files import JOB_FILE as JOB_FILE
+from europa.spec.run_files import METRICS_FILE as METRICS_FILE
+from europa.spec.run_files import SUMMARY_FILE as SUMMARY_FILE
+
 if TYPE_CHECKING:
     from europa.core.config import EuropaConfig
 
-CONFIG_FILE = "config.toml"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-JOB_FILE = "job.json"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS = "checkpoints"
 WORKER_ERRORS = "worker-errors"

@@ -8,7 +8,7 @@ and the experts' outputs back. Two live beside this file, with one protocol:
   destination node) between nodes, then one per (token, destination rank) inside.
 
 ``begin(x, scores, ids, chunks)`` issues the dispatch of every chunk and returns a
-``Routed``; for each chunk, ``arrive(c)`` waits for its rows and returns them grouped
+``RoutedExchange``; for each chunk, ``arrive(c)`` waits for its rows and returns them grouped
 by local expert with the count per local expert, and ``send_back(c, out)`` issues the
 return of the experts' outputs; ``finish()`` waits for every return and gives each
 token the weighted sum of its experts' outputs. torchtitan's ``dispatch`` and
@@ -19,7 +19,7 @@ shared expert computes while chunks travel); nothing else re-implements an excha
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,17 +28,8 @@ from europa.flexshard.codec import Codec
 from europa.flexshard.exchange import Keeper
 from europa.flexshard.routing import ModelledRouting, RoutingTable, TensorRouting, routing_table
 from europa.flexshard.wire import Wire
+from europa.spec.dispatch import RoutedExchange
 from europa.spec.execution import RoutingModel
-
-
-class Routed(Protocol):
-    chunks: int
-
-    def arrive(self, chunk: int) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def send_back(self, chunk: int, out: torch.Tensor) -> None: ...
-
-    def finish(self) -> torch.Tensor: ...
 
 
 class ExpertDispatcher:
@@ -87,7 +78,7 @@ class ExpertDispatcher:
 
     def begin(
         self, x_TD: torch.Tensor, scores_TK: torch.Tensor, ids_TK: torch.Tensor, chunks: int = 1
-    ) -> Routed:
+    ) -> RoutedExchange:
         raise NotImplementedError
 
     # -- torchtitan's token dispatcher interface ----------------------------------------------
@@ -98,13 +89,13 @@ class ExpertDispatcher:
         topk_scores_TK: torch.Tensor,
         topk_expert_ids_TK: torch.Tensor,
         num_local_tokens_per_expert_E: torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, Routed]:
+    ) -> tuple[torch.Tensor, torch.Tensor, RoutedExchange]:
         routed = self.begin(x_TD, topk_scores_TK, topk_expert_ids_TK)
         rows, counts = routed.arrive(0)
         return rows, counts, routed
 
     def combine(
-        self, routed_output_RD: torch.Tensor, metadata: Routed, x_TD: torch.Tensor
+        self, routed_output_RD: torch.Tensor, metadata: RoutedExchange, x_TD: torch.Tensor
     ) -> torch.Tensor:
         metadata.send_back(0, routed_output_RD)
         return metadata.finish()

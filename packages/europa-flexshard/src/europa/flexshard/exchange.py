@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from europa.flexshard.codec import Codec
+from europa.spec.autograd import in_backward
 from europa.spec.tags import mark_memory
 
 
@@ -51,7 +52,7 @@ class Keeper:
 
     @staticmethod
     def in_recomputation() -> bool:
-        return torch._C._current_graph_task_id() != -1  # a forward run inside a backward
+        return in_backward()  # a forward run inside a backward
 
     def start(self) -> None:
         self.recording, self.kept, self.replay = True, [], deque()

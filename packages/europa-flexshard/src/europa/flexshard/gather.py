@@ -67,6 +67,7 @@ from torch.utils._pytree import tree_flatten
 from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces
 from europa.flexshard.errors import PlanError
 from europa.flexshard.segments import UnitSegments
+from europa.spec.autograd import in_backward
 from europa.spec.tags import mark_gathered, mark_memory, mark_traffic
 
 
@@ -490,7 +491,7 @@ class GatherUnit:
             if full._base is not None:  # the gathered rows: the base of what views them
                 mark_gathered(full._base)
         self._shadow(self.fulls)
-        if torch._C._current_graph_task_id() == -1:  # not a forward recomputed in backward
+        if not in_backward():  # not a forward recomputed in backward
             for unit in self.forward_prefetch:
                 unit.prefetch()
 

@@ -43,11 +43,10 @@ from europa.flexshard.gather import (
 from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
+from europa.spec.init import InitMatrix
 from europa.spec.layout import ROOT_UNIT
 from europa.spec.optim import uses_muon
 from europa.spec.tags import mark_traffic
-
-InitMatrix = Callable[[str, int, torch.Tensor], None]
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from europa.offload.pool import HostBufferPool, on_accelerator
+from europa.spec.autograd import in_backward
 from europa.spec.tags import is_gathered
 
 
@@ -233,7 +234,7 @@ class ActivationOffload:
     def _start_backward(self) -> _Backward:
         if self._backward is None:
             self._backward = _Backward()
-            if torch._C._current_graph_task_id() != -1:  # inside backward: release at its end
+            if in_backward():  # release at its end
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         return self._backward
 

@@ -3,7 +3,7 @@
 Design note. An expert-parallel MoE layer whose dispatcher offers the chunked
 protocol of europa-flexshard (``begin(x, scores, ids, chunks)`` returning a routed
 exchange with ``arrive``, ``send_back`` and ``finish``; ``europa.flexshard.dispatch``)
-is driven here, chunk by chunk:
+(``europa.spec.dispatch.ChunkedDispatcher``) is driven here, chunk by chunk:
 
 1. ``begin`` issues every chunk's dispatch at once, asynchronously (the counts go
    first, synchronously, so every buffer is sized exactly);
@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from europa.spec.dispatch import ChunkedDispatcher
 
 
 class EarlySharedExpert:
@@ -96,11 +98,11 @@ class OverlappedRoutedExperts:
 
 
 def overlappable(module: nn.Module) -> bool:
-    """A routed-expert module whose dispatcher offers the chunked protocol (europa-flexshard's)."""
+    """A routed-expert module whose dispatcher offers the chunked exchange
+    (``europa.spec.dispatch.ChunkedDispatcher``: europa-flexshard's)."""
     dispatcher = getattr(module, "token_dispatcher", None)
-    return isinstance(getattr(module, "inner_experts", None), nn.Module) and callable(
-        getattr(dispatcher, "begin", None)
-    )
+    experts = getattr(module, "inner_experts", None)
+    return isinstance(experts, nn.Module) and isinstance(dispatcher, ChunkedDispatcher)
 
 
 def overlap_expert_all_to_all(model: nn.Module, chunks: int = 2) -> list[str]:

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from europa.core.run_dir import CONFIG_FILE, JOB_FILE, METRICS_FILE, SUMMARY_FILE
 from europa.report.errors import ReportError
+from europa.spec.run_files import CONFIG_FILE, JOB_FILE, METRICS_FILE, SUMMARY_FILE
 
 EXPECTED = "expected a run directory written by `europa train`"
 

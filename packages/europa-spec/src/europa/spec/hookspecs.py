@@ -274,7 +274,7 @@ def europa_plan(job: PlanningJob, plan: dict[str, Any]) -> None:
 
     * ``layout``: replaced by a plugin that lays parameters out its own way;
       its keys are the fields of ``europa.spec.layout.Layout``, checked there;
-    * ``host_offload``: what moves to host memory (``europa.core.plan.memory.HostOffload``);
+    * ``host_offload``: what moves to host memory (``europa.spec.offload.HostOffload``);
     * ``overlapped_kinds``: the communication kinds this plugin runs beside compute;
     * ``reshard_after_forward``: which blocks keep their gathered parameters from forward
       to backward (``europa.spec.layout.RESHARD_POLICIES``; default ``"all"``: none kept),

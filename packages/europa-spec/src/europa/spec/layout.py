@@ -122,6 +122,12 @@ def _type_hints(record: type) -> dict[str, Any]:
     return typing.get_type_hints(record)  # once per record type: a search parses thousands
 
 
+def parse_record(record: type, mapping: Any, plugin: str, where: str):
+    """A plan record (a dataclass of plain values) from ``mapping``, or a one-line
+    ``LayoutError`` naming the ``plugin`` that wrote it and the key at ``where``."""
+    return _parse(record, mapping, plugin, where)
+
+
 def _parse(record: type, mapping: Any, plugin: str, where: str):
     if not isinstance(mapping, Mapping):
         raise LayoutError(f"plugin {plugin}: {where} = {mapping!r}: expected a table")
@@ -206,5 +212,6 @@ __all__ = [
     "Layout",
     "LayoutError",
     "ReplicaGroup",
+    "parse_record",
     "unit_of",
 ]

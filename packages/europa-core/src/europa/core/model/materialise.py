@@ -39,8 +39,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from torchtitan.protocols.module import Module as TitanModule
 
 from europa.core.seeds import matrix_seed
-
-InitMatrix = Callable[[str, int, torch.Tensor], None]
+from europa.spec.init import InitMatrix, RegionInitMatrix
 
 
 def matrices_in(shape: tuple[int, ...] | torch.Size) -> int:
@@ -143,7 +142,7 @@ def _init_dtensor(name: str, param: DTensor, init_matrix: InitMatrix) -> None:
     )
     rows = tuple(slice(o, o + s) for o, s in zip(offset, shape, strict=True))
     # A checkpoint source reads only this shard's rows (see init_parameters).
-    fill_region = getattr(init_matrix, "fill_region", None)
+    fill_region = init_matrix.fill_region if isinstance(init_matrix, RegionInitMatrix) else None
     if param.ndim == 3:
         whole = tuple(shape[1:]) == tuple(param.shape[1:])
         for j in range(shape[0]):

@@ -10,12 +10,12 @@ workspace) are estimates of the largest moment, not measured.
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
 from europa.core.plan.moments import Moment, RankMemory, device_moments
 from europa.spec.layout import ROOT_UNIT, reshards
+from europa.spec.offload import HostOffload
 from europa.spec.optim import FP32, optimizer_state_bytes, uses_muon
 
 
@@ -47,43 +47,6 @@ class RankState:
 
 
 @dataclass(frozen=True)
-class HostOffload:
-    """What ``plan["host_offload"]`` asks for (europa-offload fills it in)."""
-
-    activation_blocks: tuple[str, ...] = ()
-    keep_last_blocks: int = 0
-    min_tensor_bytes: int = 0
-    optimizer_state: bool = False
-    optimizer_chunk_bytes: int = 0
-    budget_bytes_per_rank: int | None = None
-    budget_setting: str = ""  # the key and value that set the budget, for messages
-
-    @classmethod
-    def of(cls, table: dict | None) -> HostOffload:
-        if not table:
-            return cls()
-        return cls(
-            activation_blocks=tuple(table.get("activation_blocks", ())),
-            keep_last_blocks=table.get("keep_last_blocks", 0),
-            min_tensor_bytes=table.get("min_tensor_bytes", 0),
-            optimizer_state=table.get("optimizer_state", False),
-            optimizer_chunk_bytes=table.get("optimizer_chunk_bytes", 0),
-            budget_bytes_per_rank=table.get("budget_bytes_per_rank"),
-            budget_setting=table.get("budget_setting", ""),
-        )
-
-    def offloaded_blocks(self, blocks: list[BlockActivations]) -> set[str]:
-        matched = [
-            b.name
-            for b in blocks
-            if b.name != "<root>"
-            and any(fnmatch.fnmatchcase(b.name, p) for p in self.activation_blocks)
-        ]
-        kept = self.keep_last_blocks
-        return set(matched[: len(matched) - kept] if kept else matched)
-
-
-@dataclass(frozen=True)
 class Activations:
     device: int  # peak bytes kept on the device for one micro-batch
     host: int  # bytes moved to host memory
@@ -101,7 +64,7 @@ def activations(
     """Saved bytes of one micro-batch at the end of forward (plus, with full
     recomputation, one block's full set, live while it is recomputed). ``kept``: bytes a
     recomputed block keeps beside its input (its expert exchanges' results)."""
-    offloaded = offload.offloaded_blocks(blocks)
+    offloaded = offload.offloaded_blocks([b.name for b in blocks])
     device = host = 0
     per_block = {}
     for block in blocks:

@@ -24,7 +24,6 @@ from europa.core.plan.hardware import DEVICE_TO_HOST, HardwareProfile
 from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
     Activations,
-    HostOffload,
     MemoryModel,
     RankState,
     activations,
@@ -41,6 +40,7 @@ from europa.core.plan.timing import (
 )
 from europa.core.plan.traffic import Traffic, step_traffic
 from europa.spec.layout import Layout
+from europa.spec.offload import HostOffload
 from europa.spec.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode
@@ -269,7 +269,7 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     compute_bytes = 2 if training.dtype == "bfloat16" else 4
     reduce_bytes = layout.get("reduce_itemsize", 4)
     recompute = config.section("activation_checkpointing").mode == "full"
-    offload = HostOffload.of(plan.get("host_offload"))
+    offload = HostOffload.parse(plan.get("host_offload"))
     tokens = training.batch_size * training.seq_len
     blocks = block_activations(
         model_cfg,

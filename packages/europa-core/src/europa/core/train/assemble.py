@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from europa.core.job import Job
-from europa.core.model.materialise import InitMatrix, init_buffers
+from europa.core.model.materialise import init_buffers
+from europa.spec.init import InitMatrix
 
 
 def place_model(job: Job, plugins, model: torch.nn.Module, init_matrix: InitMatrix):
