@@ -17,11 +17,11 @@ from europa.core.plan.activations import block_activations
 from europa.core.plan.checkpoint import lost_per_save
 from europa.core.plan.layout import fsdp2_layout
 from europa.core.plan.memory import activations
-from europa.spec.offload import HostOffload
 from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.search import smallest_replica
 from europa.core.plan.shapes import ModelShapes, ParameterShape
 from europa.core.session import open_session
+from europa.spec.offload import HostOffload
 from europa.spec.units import human
 
 
