@@ -7,10 +7,14 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -155,6 +159,66 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
             if proc.is_alive():
                 proc.kill()
     return [collected[rank] for rank in range(world)]
+
+
+def _europa_main(argv: list[str], environ: dict, cwd: str, stdout: str, stderr: str) -> None:
+    """In a child of the fork server: ``europa *argv`` as the console script runs it
+    (``europa.cli.app.main``), in a session of its own as a shell starts a job."""
+    os.setsid()
+    for fd, path in ((1, stdout), (2, stderr)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    # what a new interpreter puts on sys.path from PYTHONPATH (a plugin's folder, say)
+    sys.path[:0] = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.argv = ["europa", *argv]
+    from europa.cli.app import main
+
+    main()
+
+
+class EuropaProcess:
+    """``python -m europa.cli *argv`` in a process of its own, a session leader as a shell
+    starts a job, forked from the fork server that has imported torch, torchtitan and
+    europa once: a new interpreter spends seconds of a core importing them again before
+    the command does anything. Popen's interface as the tests use it; the process's
+    stderr and stdout go to files (``stderr``, and ``stderr`` + ``.out``)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None, *,
+                 stderr: os.PathLike) -> None:  # fmt: skip
+        self.args, self.stderr_path = list(argv), Path(stderr)
+        environ = dict(os.environ if env is None else env)
+        args = (list(argv), environ, os.getcwd(), f"{stderr}.out", str(stderr))
+        # daemon: one a test leaves running is stopped when the session ends
+        self._process = _context().Process(target=_europa_main, args=args, daemon=True)
+        self._process.start()
+        self.pid = self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.exitcode
+
+    def poll(self) -> int | None:
+        return self._process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._process.join(timeout)
+        if self._process.exitcode is None:
+            raise subprocess.TimeoutExpired(["europa", *self.args], timeout)
+        return self._process.exitcode
+
+    def communicate(self, timeout: float | None = None) -> tuple[None, str]:
+        self.wait(timeout)
+        return None, self.stderr_path.read_text() if self.stderr_path.is_file() else ""
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from europa.cli.app import run
 from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.train.stop import StopRequest
+from tests.conftest import EuropaProcess
 
 
 def _agree_after_one_rank_is_signalled(rank, world):
@@ -47,9 +46,9 @@ def _records(run_dir):
 def test_sigterm_to_the_launcher_checkpoints_and_the_run_resumes(tmp_path):
     run_dir = tmp_path / "run"
     quiet = ["--set", "metrics.progress=false"]
-    command = [sys.executable, "-m", "europa.cli", "train", "--nproc", "2",
-               "--run-dir", str(run_dir), "--set", "training.steps=100000", *quiet]  # fmt: skip
-    launcher = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    command = ["train", "--nproc", "2", "--run-dir", str(run_dir), "--set", "training.steps=100000",
+               *quiet]  # fmt: skip
+    launcher = EuropaProcess(command, stderr=tmp_path / "launcher.err")  # python -m europa.cli
     deadline = time.monotonic() + 120
     while len(_records(run_dir)) < 3:
         assert launcher.poll() is None and time.monotonic() < deadline

@@ -3,16 +3,20 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import EuropaProcess
 
 HERE = Path(__file__).parent
 QUIET = ["--set", "metrics.progress=false"]
@@ -85,15 +89,23 @@ def last_line(stderr: str) -> str:
     return lines[-1] if lines else ""
 
 
-def start_training(env, *args: str) -> subprocess.Popen:
-    """``europa train`` in a process group of its own, as a shell starts a job."""
-    return subprocess.Popen(
-        europa_command("train", *args, *QUIET),
-        env=env,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+def start_training(env, *args: str) -> EuropaProcess:
+    """``europa train`` in a process group of its own, as a shell starts a job (forked
+    from the fork server, without a new interpreter's imports: ``EuropaProcess``)."""
+    return EuropaProcess(["train", *args, *QUIET], env, stderr=log_file("train"))
+
+
+def log_file(name: str) -> Path:
+    """A new file for a started command's output, in a folder removed at exit."""
+    if not _LOGS:
+        _LOGS.append(Path(tempfile.mkdtemp(prefix="europa-test-logs-")))
+        atexit.register(shutil.rmtree, _LOGS[0], ignore_errors=True)
+    fd, path = tempfile.mkstemp(prefix=f"{name}-", suffix=".err", dir=_LOGS[0])
+    os.close(fd)
+    return Path(path)
+
+
+_LOGS: list[Path] = []
 
 
 def ctrl_c(launcher: subprocess.Popen) -> None:

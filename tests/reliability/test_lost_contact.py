@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import os
 import socket
-import subprocess
 import time
 
 import pytest
 
-from .conftest import QUIET, europa_command, europa_env, last_line
+from tests.conftest import EuropaProcess
+
+from .conftest import QUIET, europa_env, last_line
 
 
 def _free_port() -> int:
@@ -24,16 +25,16 @@ def _free_port() -> int:
 @pytest.mark.slow
 def test_a_rank_whose_peer_hangs_exits_after_the_collective_timeout(tmp_path, fault_plugin_dir):
     run_dir, port = tmp_path / "run", _free_port()
-    command = europa_command("train", "-p", "faults", "--run-dir", str(run_dir),
-                             "--set", "faults.hang_at_step=2",
-                             "--set", "parallel.collective_timeout_s=8", *QUIET)  # fmt: skip
+    command = ["train", "-p", "faults", "--run-dir", str(run_dir), "--set", "faults.hang_at_step=2",
+               "--set", "parallel.collective_timeout_s=8", *QUIET]  # fmt: skip
     ranks = []
     for rank in range(2):
         env = europa_env(fault_plugin_dir) | {
             "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
         }  # fmt: skip
-        ranks.append(subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True))
+        # python -m europa.cli, forked from the fork server that has imported what it needs
+        ranks.append(EuropaProcess(command, env, stderr=tmp_path / f"rank-{rank}.err"))
     survivor, hung = ranks
     try:
         _, err = survivor.communicate(timeout=120)

@@ -15,6 +15,7 @@ import pytest
 
 from europa.cli.app import run
 from europa.core.launch.distributed import free_port
+from tests.conftest import EuropaProcess
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -29,10 +30,14 @@ def _steps(run_dir: Path) -> list[int]:
 
 class Started:
     """A command running in the background, its output in a file (a pipe nobody reads
-    would fill and stop it)."""
+    would fill and stop it). ``python -m europa.cli ARGS`` is forked from the fork server
+    that has imported what it needs (``EuropaProcess``); anything else is a new process."""
 
     def __init__(self, command: list[str], log: Path) -> None:
         self.log = log
+        if command[:3] == [sys.executable, "-m", "europa.cli"]:
+            self.process = EuropaProcess(command[3:], stderr=log)  # stdout: log + ".out"
+            return
         with log.open("w") as output:
             self.process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
 

@@ -20,12 +20,13 @@ from europa.core.checkpoint.store import complete_checkpoints
 from europa.core.launch.lock import RunDirLock
 from europa.core.launch.progress import read_progress
 from europa.core.run_dir import LOCK_FILE
+from tests.conftest import EuropaProcess
 
 from .conftest import europa_env
 
 STEPS = 6
 QUIET = ["--set", "metrics.progress=false"]
-TRAIN = [sys.executable, "-m", "europa.cli", "train", "tiny", *QUIET]
+TRAIN = ["train", "tiny", *QUIET]  # started as python -m europa.cli (EuropaProcess)
 
 
 def _records(run_dir) -> list[dict]:
@@ -44,19 +45,16 @@ def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_go
     run_dir, alone = tmp_path / "live", tmp_path / "alone"
     env = europa_env(fault_plugin_dir)
     same = ["-p", "faults", "--set", f"training.steps={STEPS}", "--set", "checkpoint.every=3"]
-    first = subprocess.Popen(
-        [*TRAIN, "--run-dir", str(run_dir), *same, "--set", "faults.hold_saves=true"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    held = ["--set", "faults.hold_saves=true"]
+    first = EuropaProcess([*TRAIN, "--run-dir", str(run_dir), *same, *held], env,
+                          stderr=tmp_path / "first.err")  # fmt: skip
     # the same training in a directory of its own, beside it: what undisturbed looks like
-    reference = subprocess.Popen(
-        [*TRAIN, "--run-dir", str(alone), *same],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
+    reference = EuropaProcess([*TRAIN, "--run-dir", str(alone), *same], env,
+                              stderr=tmp_path / "reference.err")  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while not any(run_dir.glob("holding-save-rank-*")):
-            assert first.poll() is None, first.stderr.read()
+            assert first.poll() is None, first.communicate()[1]
             assert time.monotonic() < deadline, "the first training reached no save"
             time.sleep(0.1)
         assert _records(run_dir), "the first training logged no step"
@@ -69,7 +67,7 @@ def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_go
             assert "a training is using it" in err and holder in err
             assert first.poll() is None, "the first training stopped"
         (run_dir / "release").touch()
-        assert first.wait(timeout=300) == 0, first.stderr.read()
+        assert first.wait(timeout=300) == 0, first.communicate()[1]
         assert reference.wait(timeout=300) == 0
     finally:
         if run_dir.is_dir():
@@ -95,9 +93,9 @@ def test_a_training_killed_with_sigkill_can_be_resumed_at_once(tmp_path):
     """The launcher holds the lock; killed, its workers follow it (they would otherwise
     train on as orphans in the directory the resume takes), and --resume needs nothing."""
     run_dir = tmp_path / "killed"
-    first = subprocess.Popen([*TRAIN, "--run-dir", str(run_dir), "--set", "training.steps=100000",
-                              "--set", "checkpoint.every=3"],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    long_run = ["--set", "training.steps=100000", "--set", "checkpoint.every=3"]
+    first = EuropaProcess([*TRAIN, "--run-dir", str(run_dir), *long_run],
+                          stderr=tmp_path / "first.err")  # fmt: skip
     try:
         deadline = time.monotonic() + 120
         while len(_records(run_dir)) < 4:
