@@ -14,8 +14,8 @@ from europa.core.model import build_moe_model
 from europa.core.model.counting import ParameterCounts
 from europa.core.plan import load_profile, make_plan, shipped_profiles
 from europa.core.plan.activations import block_activations
-from europa.core.plan.checkpoint import lost_per_save
-from europa.core.plan.layout import fsdp2_layout
+from europa.core.plan.builtin_layouts import fsdp2_layout
+from europa.core.plan.checkpoint_cost import lost_per_save
 from europa.core.plan.memory import activations
 from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.search import smallest_replica

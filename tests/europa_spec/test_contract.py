@@ -12,8 +12,8 @@ from torch import nn
 from europa.spec import hookspecs, metrics
 from europa.spec.errors import is_user_error
 from europa.spec.hookspecs import hookimpl
-from europa.spec.layout import LayoutError
 from europa.spec.optim import optimizer_state_bytes, uses_muon
+from europa.spec.plan_layout import LayoutError
 from tests.installs import PACKAGES
 
 

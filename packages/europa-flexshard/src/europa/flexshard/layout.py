@@ -44,8 +44,8 @@ from europa.flexshard.keep import KeptExchanges, keep_exchanges
 from europa.flexshard.plan import OwnershipPlan, ParameterSpec, plan_ownership
 from europa.flexshard.segments import UnitSegments
 from europa.spec.init import InitMatrix
-from europa.spec.layout import ROOT_UNIT
 from europa.spec.optim import uses_muon
+from europa.spec.plan_layout import ROOT_UNIT
 from europa.spec.tags import mark_traffic
 
 

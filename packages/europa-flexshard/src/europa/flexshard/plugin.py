@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from europa.flexshard.errors import FlexShardError
 from europa.spec.hookspecs import hookimpl
-from europa.spec.layout import ROOT_UNIT, unit_of
 from europa.spec.optim import STATE_TENSORS
+from europa.spec.plan_layout import ROOT_UNIT, unit_of
 from europa.spec.units import GIB
 
 NAME = "flexshard"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from europa.spec.hookspecs import hookimpl
-from europa.spec.layout import RESHARD_POLICIES
+from europa.spec.plan_layout import RESHARD_POLICIES
 
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from europa.overlap.errors import OverlapError
-from europa.spec.layout import RESHARD_POLICIES as RESHARD_POLICIES  # this package's API too
-from europa.spec.layout import reshards
+from europa.spec.plan_layout import RESHARD_POLICIES as RESHARD_POLICIES  # this package's API too
+from europa.spec.plan_layout import reshards
 
 
 def _ahead(blocks: Sequence[Any], index: int, depth: int) -> list[Any]:

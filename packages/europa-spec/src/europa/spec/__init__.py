@@ -5,7 +5,7 @@ on this small one, never on europa-core, and core depends on it too.
 
 * ``europa.spec.hookspecs``: the hooks, their phases and order, and the hook markers;
 * ``europa.spec.job``: what each phase's ``job`` offers a hook, as Protocols;
-* ``europa.spec.layout``: the plan's layout record, typed and validated in one place;
+* ``europa.spec.plan_layout``: the plan's layout record, typed and validated in one place;
 * ``europa.spec.metrics``: the metric names core's trainer writes;
 * ``europa.spec.errors``: the user-error marker; ``europa.spec.tags``: tensor tags;
 * ``europa.spec.muon``: Newton–Schulz, the Muon/AdamW parameter rule and the

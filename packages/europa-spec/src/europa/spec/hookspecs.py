@@ -273,11 +273,11 @@ def europa_plan(job: PlanningJob, plan: dict[str, Any]) -> None:
     (core's FSDP2) and then reads back:
 
     * ``layout``: replaced by a plugin that lays parameters out its own way;
-      its keys are the fields of ``europa.spec.layout.Layout``, checked there;
+      its keys are the fields of ``europa.spec.plan_layout.Layout``, checked there;
     * ``host_offload``: what moves to host memory (``europa.spec.offload.HostOffload``);
     * ``overlapped_kinds``: the communication kinds this plugin runs beside compute;
     * ``reshard_after_forward``: which blocks keep their gathered parameters from forward
-      to backward (``europa.spec.layout.RESHARD_POLICIES``; default ``"all"``: none kept),
+      to backward (``europa.spec.plan_layout.RESHARD_POLICIES``; default ``"all"``: none kept),
       counted in the device memory, and gathered once a micro-batch instead of twice.
 
     Any other key a plugin adds (its own name, by convention) is reported as is.

@@ -1,6 +1,6 @@
 """What moves to host memory, as the planner needs to know it: ``plan["host_offload"]``, which
 europa-offload's ``europa_plan`` fills and europa-core's planner reads, checked in one place as
-``europa.spec.layout.Layout`` is. Pure Python."""
+``europa.spec.plan_layout.Layout`` is. Pure Python."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from europa.spec.layout import ROOT_UNIT, parse_record
+from europa.spec.plan_layout import ROOT_UNIT, parse_record
 
 
 @dataclass(frozen=True)

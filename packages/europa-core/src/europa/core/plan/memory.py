@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 from europa.core.plan.activations import BlockActivations
 from europa.core.plan.moments import Moment, RankMemory, device_moments
-from europa.spec.layout import ROOT_UNIT, reshards
 from europa.spec.offload import HostOffload
 from europa.spec.optim import FP32, optimizer_state_bytes, uses_muon
+from europa.spec.plan_layout import ROOT_UNIT, reshards
 
 
 @dataclass(frozen=True)

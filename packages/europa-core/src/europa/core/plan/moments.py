@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from europa.spec.layout import ROOT_UNIT
+from europa.spec.plan_layout import ROOT_UNIT
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ from europa.core.errors import PluginError, ResourceError
 from europa.core.job import Job
 from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
-from europa.core.plan.checkpoint import lost_per_save, write_seconds
+from europa.core.plan.builtin_layouts import FSDP2, data_parallel_form, fsdp2_layout
+from europa.core.plan.checkpoint_cost import lost_per_save, write_seconds
 from europa.core.plan.hardware import DEVICE_TO_HOST, HardwareProfile
-from europa.core.plan.layout import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.memory import (
     Activations,
     MemoryModel,
@@ -39,8 +39,8 @@ from europa.core.plan.timing import (
     step_time,
 )
 from europa.core.plan.traffic import Traffic, step_traffic
-from europa.spec.layout import Layout
 from europa.spec.offload import HostOffload
+from europa.spec.plan_layout import Layout
 from europa.spec.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode

@@ -12,7 +12,7 @@ from typing import Any
 import torch.nn as nn
 
 from europa.core.model.counting import ParameterCounts, count_parameters
-from europa.spec.layout import ROOT_UNIT, unit_of
+from europa.spec.plan_layout import ROOT_UNIT, unit_of
 
 
 @dataclass(frozen=True)

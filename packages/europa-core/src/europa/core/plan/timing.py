@@ -30,7 +30,7 @@ from europa.core.config.schema import ModelConfig
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.traffic import HOST, Traffic
-from europa.spec.layout import LAST_BACKWARD
+from europa.spec.plan_layout import LAST_BACKWARD
 
 LAYOUT_OVERLAPPED = (
     "parameter_gather",

@@ -14,7 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
-from europa.spec.layout import ROOT_UNIT, STEP
+from europa.spec.plan_layout import ROOT_UNIT, STEP
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
 

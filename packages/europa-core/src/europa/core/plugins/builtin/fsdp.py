@@ -58,7 +58,9 @@ def europa_shard_model(job, model):
         )
     from torch.distributed.fsdp import fully_shard
 
-    from europa.core.plan.layout import data_parallel_form  # loads the model: not at startup
+    from europa.core.plan.builtin_layouts import (
+        data_parallel_form,  # loads the model: not at startup
+    )
 
     dtype = job.config.training.dtype
     job.claim(OWNER, (name for name, _ in model.named_parameters()))

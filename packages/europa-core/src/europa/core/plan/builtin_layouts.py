@@ -2,7 +2,7 @@
 
 A layout is a plain mapping (``plan["layout"]``) so that a sharding plugin, which
 imports nothing of europa-core, can replace it from its ``europa_plan`` hook; its keys
-are the fields of ``europa.spec.layout.Layout``, which the planner checks.
+are the fields of ``europa.spec.plan_layout.Layout``, which the planner checks.
 
 FSDP2 (``fully_shard`` with ``Shard(0)``): a rank holds rows
 ``[r·c, min((r+1)·c, d0))`` with ``c = ceil(d0 / ranks)``, in storage padded to
