@@ -45,6 +45,62 @@ def test_every_hook_has_one_phase_and_phases_are_in_order():
     assert [p for p, _ in hookspecs.PHASES][-1] == "teardown"
 
 
+def _hooks_as_defined() -> list:
+    return sorted(
+        (f for n, f in vars(hookspecs).items() if n.startswith("europa_")),
+        key=lambda f: f.__code__.co_firstlineno,
+    )
+
+
+def test_the_hooks_are_defined_in_phase_order():
+    """Read top to bottom, hookspecs.py is the order a run calls the hooks in."""
+    defined = [f.__name__ for f in _hooks_as_defined()]
+    assert defined == [hook for _, hooks in hookspecs.PHASES for hook in hooks]
+
+
+def test_every_hook_documents_each_parameter_its_result_and_whether_it_stops_early():
+    import inspect
+
+    for hook in _hooks_as_defined():
+        doc = inspect.getdoc(hook)
+        for name in inspect.signature(hook).parameters:
+            assert f":param {name}:" in doc, f"{hook.__name__} leaves {name} undocumented"
+        returns = inspect.signature(hook).return_annotation
+        assert (":returns:" in doc) == (returns != "None"), hook.__name__
+        stops = getattr(hook, f"{hookspecs.PROJECT}_spec")["firstresult"]  # pluggy's mark
+        assert ("Stops at first non-None result" in doc) == stops, hook.__name__
+
+
+def _public_names_defined(source: str) -> set[str]:
+    """The module's own top-level functions, classes and assigned names, not imports."""
+    import ast
+
+    names = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef | ast.ClassDef):
+            names.add(node.name)
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:
+            elements = target.elts if isinstance(target, ast.Tuple) else [target]
+            names.update(e.id for e in elements if isinstance(e, ast.Name))
+    return {n for n in names if not n.startswith("_")}
+
+
+def test_every_spec_module_exports_what_it_defines():
+    import importlib
+    import pkgutil
+    from pathlib import Path
+
+    import europa.spec
+
+    for info in pkgutil.iter_modules(europa.spec.__path__):
+        module = importlib.import_module(f"europa.spec.{info.name}")
+        defined = _public_names_defined(Path(module.__file__).read_text())
+        assert sorted(getattr(module, "__all__", [])) == sorted(defined), info.name
+
+
 def test_the_trainer_writes_exactly_the_training_metric_keys(tmp_path):
     import json
 

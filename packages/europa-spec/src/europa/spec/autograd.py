@@ -14,3 +14,6 @@ def in_backward() -> bool:
     """Whether autograd's engine is running a backward on this thread: a forward then is a
     recomputation, and a callback queued now (``queue_callback``) runs when it ends."""
     return torch._C._current_graph_task_id() != -1
+
+
+__all__ = ["in_backward"]

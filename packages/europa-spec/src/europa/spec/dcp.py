@@ -66,3 +66,6 @@ class OwnedChunk(torch.Tensor):
 
     def __get_tensor_shard__(self, index: MetadataIndex) -> torch.Tensor:
         return self._local
+
+
+__all__ = ["OwnedChunk"]

@@ -45,3 +45,6 @@ class ChunkedDispatcher(Protocol):
         """Issue every chunk's dispatch of this rank's tokens ``x_TD``, routed to the experts
         ``ids_TK`` with weights ``scores_TK``."""
         ...
+
+
+__all__ = ["ChunkedDispatcher", "RoutedExchange"]

@@ -19,3 +19,6 @@ class UserError(ValueError):
 def is_user_error(err: BaseException) -> bool:
     """A user-facing error, from any europa package or plugin."""
     return getattr(err, USER_ERROR, False) is True
+
+
+__all__ = ["USER_ERROR", "UserError", "is_user_error"]

@@ -91,3 +91,6 @@ class Execution:
             raise UserError(
                 f"execution backend = {self.backend!r}: expected one of {', '.join(BACKENDS)}"
             )
+
+
+__all__ = ["BACKENDS", "ROUTING_FORMS", "Execution", "RoutingModel", "RoutingModelError"]

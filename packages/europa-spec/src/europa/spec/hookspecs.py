@@ -48,13 +48,14 @@ from typing import TYPE_CHECKING, Any
 import pluggy
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from contextlib import AbstractContextManager
 
     import torch
     from torch.distributed.checkpoint.stateful import Stateful
 
+    from europa.spec.init import InitMatrix
     from europa.spec.job import PlanningJob, RunningJob
+    from europa.spec.plan_mapping import PlanMapping, SearchInputs
 
 PROJECT = "europa"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -73,39 +74,104 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
 )
 
 # --------------------------------------------------------------------------------------
-# config
+# declare: asked of every installed plugin, enabled or not
 # --------------------------------------------------------------------------------------
 
 
 @hookspec
 def europa_config_sections() -> dict[str, type] | None:
-    """Declare this plugin's TOML tables (all run): ``{"table": SomeDataclass}``.
+    """Declare this plugin's TOML tables.
 
-    Each table is a plain ``@dataclass``; each field is a key, typed by its
-    annotation (bool, int, float, str or a list of one of them), with its
-    default. Bounds and docs go in ``dataclasses.field(metadata={...})`` as a
-    plain dict with any of the keys ``doc``, ``ge``, ``gt``, ``le``,
-    ``choices``, so a plugin needs only the standard library. The manager asks
-    each plugin separately, so it records which plugin owns which table; a
-    table set for a plugin that is not enabled is refused. Installed plugins
-    are all asked, enabled or not, so ``europa config show`` knows every table.
+    Each table is a plain ``@dataclass``; each field is a key, typed by its annotation
+    (bool, int, float, str or a list of one of them), with its default. Bounds and docs
+    go in ``dataclasses.field(metadata={...})`` as a plain dict with any of the keys
+    ``doc``, ``ge``, ``gt``, ``le``, ``choices``, so a plugin needs only the standard
+    library.
+
+    :returns: ``{"table": SomeDataclass}``, or None for no table.
+
+    All run. The manager asks each plugin separately, so it records which plugin owns
+    which table; a table set for a plugin that is not enabled is refused. Installed
+    plugins are all asked, enabled or not, so ``europa config show`` knows every table.
+    """
+
+
+@hookspec
+def europa_register_commands(app: Any) -> None:
+    """Add sub-commands to the ``europa`` command.
+
+    :param app: The ``europa`` typer application; add commands with ``@app.command()``.
+
+    All run, for every installed plugin, enabled or not.
+    """
+
+
+@hookspec
+def europa_search_levers(
+    config: Any, world_size: int, ranks_per_node: int, plan: SearchInputs
+) -> list[list[dict[str, Any]]] | None:
+    """The layout levers this plugin offers ``europa plan --search``.
+
+    :param config: The user's resolved config; leave alone what it fixes that changes
+        the model.
+    :param world_size: The ranks of the searched run.
+    :param ranks_per_node: The ranks each node holds.
+    :param plan: The model and machine every layout is planned for
+        (``europa.spec.plan_mapping.SearchInputs``), for a plugin to leave out
+        alternatives that cannot fit.
+    :returns: A list of levers, or None for none. A lever is a list of alternatives, one
+        of which each searched layout takes; an alternative is ``{"plugins": [names to
+        enable], "set": {"table.key": value}}`` (plain Python values, as a TOML ``--set``
+        would give). Say "without this plugin" as an alternative with no plugins.
+
+    All run, for every installed plugin, enabled or not. Core plans the product of every
+    plugin's levers and its own; a combination that the config rules or a plugin refuse
+    is skipped, not reported.
     """
 
 
 # --------------------------------------------------------------------------------------
-# build
+# plan: in the launcher (europa plan, europa train's pre-flight check), no devices
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def europa_plan(job: PlanningJob, plan: PlanMapping) -> None:
+    """State what this plugin changes in the analytic plan, so ``europa plan`` and
+    ``europa train``'s pre-flight check compose plugins as ``europa train`` does.
+
+    :param job: The job being planned: config and rank counts, no devices.
+    :param plan: The mapping to change in place (``europa.spec.plan_mapping.PlanMapping``).
+        Core fills in ``world_size``, ``parameter_shapes``, ``parameter_itemsize``,
+        ``hardware`` (when planning for a machine) and ``layout`` (core's FSDP2), then
+        reads back ``layout`` (checked by ``europa.spec.plan_layout.Layout.parse``),
+        ``host_offload`` (``europa.spec.offload.HostOffload``), ``overlapped_kinds`` and
+        ``reshard_after_forward``. Any other key a plugin adds (its own name, by
+        convention) is reported as is.
+
+    All run. ``europa import-hf`` reads the same layout for the bytes each rank would read.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# build: on each rank from here on (and while planning, for the shapes)
 # --------------------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
 def europa_build_model(job: PlanningJob) -> torch.nn.Module | None:
-    """Build the model on the meta device (firstresult; core's MoE is the default).
-    Also called while planning, so it may rely on a ``PlanningJob`` only.
+    """Build the model on the meta device; core's MoE is the default.
 
-    Parameters must not be allocated here: sharding comes first, then the
-    layout allocates them and core initialises every matrix (see
-    ``europa_init_parameters``) from torchtitan's ``param_init`` of its module
-    or, for a module without one, from its ``reset_parameters()``.
+    Stops at first non-None result.
+
+    :param job: The job; also called while planning (for the parameter shapes), so an
+        implementation may rely on a ``PlanningJob`` only.
+    :returns: The model, its parameters on the meta device.
+
+    Parameters must not be allocated here: sharding comes first, then the layout
+    allocates them and core initialises every matrix (see ``europa_init_parameters``)
+    from torchtitan's ``param_init`` of its module or, for a module without one, from its
+    ``reset_parameters()``.
     """
 
 
@@ -116,12 +182,16 @@ def europa_build_model(job: PlanningJob) -> torch.nn.Module | None:
 
 @hookspec(firstresult=True)
 def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Module | None:
-    """Lay the model out across the data-parallel mesh (firstresult).
+    """Lay the model out across the data-parallel mesh.
 
-    Exactly one layout wins: FlexShard when enabled, else core's FSDP2. Return
-    the (possibly new) root module. The layout records the parameters it owns
-    in ``job.claims`` (``job.claim(owner, names)``), so two plugins claiming the
-    same parameter fail with an error naming both.
+    Stops at first non-None result: exactly one layout wins, FlexShard when enabled,
+    else core's FSDP2.
+
+    :param job: The rank's job; the layout records the parameters it owns in
+        ``job.claims`` (``job.claim(owner, names)``), so two plugins claiming the same
+        parameter fail with an error naming both.
+    :param model: The model on the meta device.
+    :returns: The (possibly new) root module.
     """
 
 
@@ -132,11 +202,15 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
 
 @hookspec
 def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
-    """Wrap submodules in place (all implementations run).
+    """Wrap submodules in place.
 
-    Stated order: activation checkpointing (``tryfirst``), then offload and
-    other plain implementations, then overlap schedules (``trylast``), which
-    see the final module tree.
+    :param job: The rank's job.
+    :param model: The root module ``europa_shard_model`` returned, still on the meta
+        device.
+
+    All run, in a stated order: activation checkpointing (``tryfirst``), then offload
+    and other plain implementations, then overlap schedules (``trylast``), which see the
+    final module tree.
     """
 
 
@@ -147,22 +221,29 @@ def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
 
 @hookspec(firstresult=True)
 def europa_init_parameters(
-    job: RunningJob, model: torch.nn.Module, init_matrix: Callable[[str, int, torch.Tensor], None]
+    job: RunningJob, model: torch.nn.Module, init_matrix: InitMatrix
 ) -> bool | None:
-    """Allocate this rank's parameters on ``job.device`` and fill them (firstresult).
+    """Allocate this rank's parameters on ``job.device`` and fill them. Called after wrap.
 
-    Called after wrap. ``init_matrix(name, index, out)`` fills the tensor
-    ``out`` with matrix ``index`` of parameter ``name`` (the expert index of a
-    stacked ``[E, rows, cols]`` tensor, 0 for any other tensor), with the same
-    numbers for every layout and world size; call it for each matrix this rank
-    holds. Return True. Core's default handles plain and DTensor parameters;
-    buffers are core's and are filled afterwards.
+    Stops at first non-None result.
 
-    ``init_matrix`` may also have ``fill_region(name, index, out, region)``,
-    filling ``out`` with ``region`` (a tuple of slices) of that matrix: a
-    layout holding only part of a matrix should call it when present. With
-    ``model.init_from = "hf:DIR"`` the initialiser reads the checkpoint, so a
-    layout that asks for just what it holds reads just that from disk.
+    :param job: The rank's job.
+    :param model: The wrapped model, parameters still on the meta device.
+    :param init_matrix: ``init_matrix(name, index, out)`` fills the tensor ``out`` with
+        matrix ``index`` of parameter ``name`` (the expert index of a stacked
+        ``[E, rows, cols]`` tensor, 0 for any other tensor), with the same numbers for
+        every layout and world size; call it for each matrix this rank holds. It may
+        also be a ``europa.spec.init.RegionInitMatrix``, with ``fill_region(name, index,
+        out, region)`` filling ``out`` with ``region`` (a tuple of slices) of that
+        matrix: a layout holding only part of a matrix should call it when present.
+        With ``model.init_from = "hf:DIR"`` it reads the checkpoint, so a layout that
+        asks for just what it holds reads just that from disk.
+    :returns: True once this rank's parameters are allocated and filled: the non-None
+        answer that stops the call, so core's default (registered ``trylast``) does not
+        allocate them a second time. None leaves them to the next implementation.
+
+    Core's default handles plain and DTensor parameters; buffers are core's and are
+    filled afterwards.
     """
 
 
@@ -173,140 +254,135 @@ def europa_init_parameters(
 
 @hookspec(firstresult=True)
 def europa_build_optimizer(job: RunningJob, model: torch.nn.Module) -> torch.optim.Optimizer | None:
-    """Build the optimizer for the materialised, sharded model (firstresult).
+    """Build the optimizer for the materialised, sharded model.
 
-    Core's default reads ``[optimizer]``: AdamW, or Muon on 2-D matrices with
-    AdamW on the rest.
+    Stops at first non-None result.
+
+    :param job: The rank's job; ``job.config.section("optimizer")`` holds ``[optimizer]``.
+    :param model: The materialised model.
+    :returns: The optimizer. Core's default reads ``[optimizer]``: AdamW, or Muon on 2-D
+        matrices with AdamW on the rest.
     """
-
-
-@hookspec
-def europa_wrap_optimizer(job: RunningJob) -> None:
-    """Wrap the built optimizer, after europa_build_optimizer (all run), in hook order.
-
-    ``job.optimizer`` holds it; an implementation may replace it with a wrapper
-    that delegates to it (europa-offload keeps its state in host memory). Core
-    steps ``job.optimizer``; checkpoints and the schedule use the built one.
-    """
-
-
-# --------------------------------------------------------------------------------------
-# step
-# --------------------------------------------------------------------------------------
-
-
-@hookspec
-def europa_step_context(job: RunningJob, step: int) -> AbstractContextManager[Any] | None:
-    """A context manager to hold around one training step (all run).
-
-    Every returned manager is entered, in hook order, around forward, backward
-    and the optimizer step of ``step``; exits run in reverse order.
-    """
-
-
-@hookspec(firstresult=True)
-def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float | None:
-    """Clip all gradients to a total 2-norm of ``max_norm`` (firstresult).
-
-    ``max_norm = 0`` only measures. Return the total norm before clipping, the
-    same on every rank: the norm of the whole model's gradient, each parameter
-    counted once however it is laid out. Core's default handles plain and
-    DTensor parameters.
-    """
-
-
-@hookspec
-def europa_after_step(job: RunningJob, step: int, metrics: dict[str, Any]) -> None:
-    """Called on every rank after the optimizer step (all run).
-
-    ``metrics`` is the record about to be written to ``metrics.jsonl``; a
-    plugin may add keys of its own (prefix them with its name).
-    """
-
-
-# --------------------------------------------------------------------------------------
-# checkpoint
-# --------------------------------------------------------------------------------------
 
 
 @hookspec(firstresult=True)
 def europa_checkpoint_state(
     job: RunningJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Stateful | None:
-    """The model and optimizer state that checkpoints hold (firstresult).
+    """The model and optimizer state that checkpoints hold.
 
-    Return a ``Stateful`` (torch.distributed.checkpoint's protocol): ``state_dict()``,
-    giving ``{"model": {...}, "optim": {...}}`` for DCP (tensors as DTensors,
-    ShardedTensors, or plain tensors equal on every rank; model tensors keyed
-    by parameter name with their full shape), and ``load_state_dict(state)``,
-    which takes that mapping back after DCP has filled it in place. Core's
-    default uses torch's ``get_state_dict``/``set_state_dict``.
+    Stops at first non-None result.
+
+    :param job: The rank's job.
+    :param model: The materialised model.
+    :param optimizer: The optimizer ``europa_build_optimizer`` returned (not a wrapper of
+        it).
+    :returns: A ``Stateful`` (torch.distributed.checkpoint's protocol): ``state_dict()``,
+        giving ``{"model": {...}, "optim": {...}}`` for DCP (tensors as DTensors,
+        ShardedTensors, or plain tensors equal on every rank; model tensors keyed by
+        parameter name with their full shape), and ``load_state_dict(state)``, which
+        takes that mapping back after DCP has filled it in place.
+
+    Core's default uses torch's ``get_state_dict``/``set_state_dict``.
+    """
+
+
+@hookspec
+def europa_wrap_optimizer(job: RunningJob) -> None:
+    """Wrap the built optimizer, after ``europa_build_optimizer``.
+
+    :param job: The rank's job: ``job.optimizer`` holds the optimizer; an implementation
+        may replace it with a wrapper that delegates to it (europa-offload keeps its
+        state in host memory).
+
+    All run, in hook order. Core steps ``job.optimizer``; checkpoints and the schedule
+    use the built one.
     """
 
 
 # --------------------------------------------------------------------------------------
-# teardown
+# step: every training step
+# --------------------------------------------------------------------------------------
+
+
+@hookspec
+def europa_step_context(job: RunningJob, step: int) -> AbstractContextManager[Any] | None:
+    """A context manager to hold around one training step.
+
+    :param job: The rank's job.
+    :param step: The index of the step being taken, from 0.
+    :returns: A context manager, or None for none.
+
+    All run: every returned manager is entered, in hook order, around forward, backward
+    and the optimizer step of ``step``; exits run in reverse order.
+    """
+
+
+@hookspec(firstresult=True)
+def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float | None:
+    """Clip all gradients to a total 2-norm of ``max_norm``.
+
+    Stops at first non-None result.
+
+    :param job: The rank's job.
+    :param model: The model whose gradients backward has just filled.
+    :param max_norm: The total norm to clip to; 0 only measures.
+    :returns: The total norm before clipping, the same on every rank: the norm of the
+        whole model's gradient, each parameter counted once however it is laid out.
+
+    Core's default handles plain and DTensor parameters.
+    """
+
+
+@hookspec
+def europa_after_step(job: RunningJob, step: int, metrics: dict[str, Any]) -> None:
+    """Called on every rank after the optimizer step.
+
+    :param job: The rank's job.
+    :param step: The index of the step just taken, from 0 (its record's ``"step"`` is
+        ``step + 1``).
+    :param metrics: The record about to be written to ``metrics.jsonl``; a plugin may
+        add keys of its own (prefix them with its name).
+
+    All run.
+    """
+
+
+# --------------------------------------------------------------------------------------
+# teardown: once per rank, after the last step or after an error
 # --------------------------------------------------------------------------------------
 
 
 @hookspec
 def europa_teardown(job: RunningJob, error: BaseException | None) -> None:
-    """Undo what this plugin installed process-wide (all run): called once per rank at
-    the end of a run, after the last step or after ``error`` ended it (None: it ended
-    well). Every implementation runs even if one raises; the first error is re-raised
+    """Undo what this plugin installed process-wide, once per rank at the end of a run.
+
+    :param job: The rank's job.
+    :param error: The exception that ended the run, or None: it ended well.
+
+    All run: every implementation runs even if one raises; the first error is re-raised
     after all have run. It must not depend on the step that failed having finished.
     """
 
 
-# --------------------------------------------------------------------------------------
-# plan
-# --------------------------------------------------------------------------------------
-
-
-@hookspec
-def europa_plan(job: PlanningJob, plan: dict[str, Any]) -> None:
-    """State what this plugin changes in the analytic plan (all run), so
-    ``europa plan`` and ``europa train``'s pre-flight check compose plugins as
-    ``europa train`` does. ``plan`` is a mutable mapping; core fills in
-    ``world_size``, ``parameter_shapes`` ({name: shape}), ``parameter_itemsize``,
-    ``hardware`` (the profile's keys, when planning for a machine) and ``layout``
-    (core's FSDP2) and then reads back:
-
-    * ``layout``: replaced by a plugin that lays parameters out its own way;
-      its keys are the fields of ``europa.spec.plan_layout.Layout``, checked there;
-    * ``host_offload``: what moves to host memory (``europa.spec.offload.HostOffload``);
-    * ``overlapped_kinds``: the communication kinds this plugin runs beside compute;
-    * ``reshard_after_forward``: which blocks keep their gathered parameters from forward
-      to backward (``europa.spec.plan_layout.RESHARD_POLICIES``; default ``"all"``: none kept),
-      counted in the device memory, and gathered once a micro-batch instead of twice.
-
-    Any other key a plugin adds (its own name, by convention) is reported as is.
-    ``europa import-hf`` reads the same layout for the bytes each rank would read."""
-
-
-@hookspec
-def europa_search_levers(
-    config: Any, world_size: int, ranks_per_node: int, plan: dict[str, Any]
-) -> list[list[dict[str, Any]]] | None:
-    """The layout levers this plugin offers ``europa plan --search`` (all run). Every
-    installed plugin is asked, enabled or not, as for a declaration.
-
-    A list of levers; a lever is a list of alternatives, one of which each searched
-    layout takes; an alternative is ``{"plugins": [names to enable], "set": {"table.key":
-    value}}`` (plain Python values, as a TOML ``--set`` would give). Say "without this
-    plugin" as an alternative with no plugins. ``config`` is the user's resolved config
-    (leave alone what it fixes that changes the model); ``plan`` holds
-    ``parameter_shapes``, ``parameter_itemsize``, ``hardware`` (the profile's keys) and
-    ``device_bytes_per_rank``, for a plugin to leave out alternatives that cannot fit.
-    Core plans the product of every plugin's levers and its own; a combination that the
-    config rules or a plugin refuse is skipped, not reported."""
-
-
-# --------------------------------------------------------------------------------------
-# cli
-# --------------------------------------------------------------------------------------
-
-
-@hookspec
-def europa_register_commands(app: Any) -> None:
-    """Add sub-commands to the ``europa`` typer application (all run)."""
+__all__ = [
+    "PHASES",
+    "PROJECT",
+    "europa_after_step",
+    "europa_build_model",
+    "europa_build_optimizer",
+    "europa_checkpoint_state",
+    "europa_clip_gradients",
+    "europa_config_sections",
+    "europa_init_parameters",
+    "europa_plan",
+    "europa_register_commands",
+    "europa_search_levers",
+    "europa_shard_model",
+    "europa_step_context",
+    "europa_teardown",
+    "europa_wrap_model",
+    "europa_wrap_optimizer",
+    "hookimpl",
+    "hookspec",
+]

@@ -27,3 +27,6 @@ class RegionInitMatrix(InitMatrix, Protocol):
     ) -> None:
         """Fill ``out`` with ``region`` of matrix ``index`` of parameter ``name``."""
         ...
+
+
+__all__ = ["InitMatrix", "RegionInitMatrix"]

@@ -48,3 +48,6 @@ class RunningJob(PlanningJob, Protocol):
     execution: Execution | None
 
     def claim(self, owner: str, parameter_names: Iterable[str]) -> None: ...
+
+
+__all__ = ["PlanningJob", "RunningJob"]

@@ -153,3 +153,16 @@ def adamw_update_exact(
         denom = (state["exp_avg_sq"] / (1 - beta2**step)).sqrt_().add_(eps)
         param.mul_(1 - lr * weight_decay)
         param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
+
+
+__all__ = [
+    "FUSED_WHOLE_VECTORS",
+    "NS_COEFFICIENTS",
+    "adamw_state",
+    "adamw_update",
+    "adamw_update_any_split",
+    "adamw_update_exact",
+    "orthogonalise",
+    "rms_matching_scale",
+    "takes_fused_adamw",
+]

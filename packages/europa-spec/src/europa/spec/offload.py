@@ -47,3 +47,6 @@ class HostOffload:
         ]
         kept = self.keep_last_blocks
         return set(matched[: len(matched) - kept] if kept else matched)
+
+
+__all__ = ["HostOffload"]

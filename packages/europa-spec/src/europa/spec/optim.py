@@ -36,3 +36,13 @@ def optimizer_state_bytes(muon_elements: int, adamw_elements: int, adamw_tensors
         + FP32 * STATE_TENSORS["adamw"] * adamw_elements
         + STEP_COUNTER_BYTES * adamw_tensors
     )
+
+
+__all__ = [
+    "ADAMW_ONLY_PARTS",
+    "FP32",
+    "STATE_TENSORS",
+    "STEP_COUNTER_BYTES",
+    "optimizer_state_bytes",
+    "uses_muon",
+]

@@ -56,8 +56,8 @@ class LayoutError(UserError):
 class ReplicaGroup:
     """The ranks holding the same share (``dp_replicate``, or other nodes' copies)."""
 
-    size: int
-    stride: int
+    size: int  # ranks in the group
+    stride: int  # rank distance between two of them (it decides which link they share)
     per_micro_batch: bool = True  # they sum every micro-batch (else once a step)
     overlappable: bool = True  # that all-reduce can run beside computation
     window: str = STEP  # beside the whole step, or the last micro-batch's backward only
@@ -68,36 +68,39 @@ class ReplicaGroup:
 class ExpertCopies:
     """Resident expert gradients all-reduced over the ranks holding the same experts."""
 
-    elements: int
-    stride: int = 1
-    group_size: int = 1
-    per_micro_batch: bool = True
-    overlappable: bool = True
-    window: str = STEP
+    elements: int  # expert gradient elements each rank all-reduces
+    stride: int = 1  # rank distance between two copies
+    group_size: int = 1  # ranks holding the same experts
+    per_micro_batch: bool = True  # they sum every micro-batch (else once a step)
+    overlappable: bool = True  # that all-reduce can run beside computation
+    window: str = STEP  # beside the whole step, or the last micro-batch's backward only
 
 
 @dataclass(frozen=True)
 class Layout:
+    """Where parameters live, per rank of the group that splits them (each field's
+    comment says what it counts; the lists hold one entry per rank of that group)."""
+
     owner: str  # the plugin (or core's "core.fsdp2") that lays the parameters out
-    group_size: int
+    group_size: int  # ranks that split the parameters between them (FSDP2: dp_shard)
     stored_elements: list[int]  # parameter storage each rank allocates; gradients alike
-    muon_elements: list[int]  # local elements under each optimizer rule
-    adamw_elements: list[int]
+    muon_elements: list[int]  # each rank's parameter elements stepped by Muon
+    adamw_elements: list[int]  # each rank's parameter elements stepped by AdamW
     adamw_tensors: int  # tensors that carry an AdamW step counter on every rank
     gathered_unit_elements: dict[str, int]  # {unit: elements} gathered whole before use
-    gather_group_size: int
+    gather_group_size: int  # ranks one unit's all-gather (and reduce-scatter) spans
     optimizer_step_gather_elements: int  # gathered inside optimizer.step() (Muon on shards)
-    largest_step_gather_elements: int
-    expert_all_to_all_bytes_per_step: int
-    expert_group_size: int
+    largest_step_gather_elements: int  # the largest one matrix of those (its buffer's size)
+    expert_all_to_all_bytes_per_step: int  # bytes a rank's expert all-to-all moves in a step
+    expert_group_size: int  # ranks the experts are split over (ep); 1: no expert exchange
     form: str | None = None  # how the owner holds it: core's "plain", "ddp", "fsdp2", "hsdp"
     # each gather's and reduce-scatter's elements, padding included (the widest share)
     gathered_unit_wire_elements: dict[str, int] | None = None
     expert_all_to_all_bytes_by_link: dict[str, int] | None = None  # {link: bytes}
     expert_kept_bytes_per_moe_block: int = 0  # kept for the recomputation, like its input
     replicated_elements: int | None = None  # all-reduced over the replicas (default: max)
-    replica_group: ReplicaGroup | None = None
-    expert_copies: ExpertCopies | None = None
+    replica_group: ReplicaGroup | None = None  # the share's copies (default: dp_replicate's)
+    expert_copies: ExpertCopies | None = None  # resident expert gradients' copies, if any
     reduce_itemsize: int = 4  # bytes per element of gradient reductions
     # per rank of the group, the root unit's stored elements (its gradient completes last;
     # default: an even share of it)
@@ -206,6 +209,7 @@ def _describe(hint: Any) -> str:
 
 __all__ = [
     "LAST_BACKWARD",
+    "RESHARD_POLICIES",
     "ROOT_UNIT",
     "STEP",
     "ExpertCopies",
@@ -213,5 +217,6 @@ __all__ = [
     "LayoutError",
     "ReplicaGroup",
     "parse_record",
+    "reshards",
     "unit_of",
 ]

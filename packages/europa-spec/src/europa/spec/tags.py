@@ -81,3 +81,19 @@ def mark_memory(tensor, term: str) -> None:
 def memory_term(tensor) -> str | None:
     term = getattr(tensor, MEMORY, None)
     return term if isinstance(term, str) else None
+
+
+__all__ = [
+    "GATHERED_PARAMETER",
+    "MEMORY",
+    "MEMORY_TERMS",
+    "TRAFFIC",
+    "Observer",
+    "is_gathered",
+    "mark_gathered",
+    "mark_memory",
+    "mark_traffic",
+    "memory_term",
+    "observe",
+    "traffic_kind",
+]

@@ -12,3 +12,6 @@ def human(n: float, digits: int = 1) -> str:
         if abs(n) >= size:
             return f"{n / size:.{digits}f} {unit}"
     return f"{n:.0f} B"
+
+
+__all__ = ["GIB", "MIB", "human"]

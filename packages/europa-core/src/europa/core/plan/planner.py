@@ -41,6 +41,7 @@ from europa.core.plan.timing import (
 from europa.core.plan.traffic import Traffic, step_traffic
 from europa.spec.offload import HostOffload
 from europa.spec.plan_layout import Layout
+from europa.spec.plan_mapping import PlanMapping
 from europa.spec.units import human
 
 MODES = ("none", "full")  # activation_checkpointing.mode
@@ -240,12 +241,12 @@ def plugin_plan(
     *,
     itemsize: int = 4,
     hardware: HardwareProfile | None = None,
-) -> dict[str, Any]:
+) -> PlanMapping:
     """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
     FSDP2 layout unless a layout plugin replaced it."""
     replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
     form = data_parallel_form(replicate, shard, job.config.training.dtype)
-    plan: dict[str, Any] = {
+    plan: PlanMapping = {
         "world_size": job.world_size,
         "parameter_shapes": shapes.as_dict(),
         "parameter_itemsize": itemsize,

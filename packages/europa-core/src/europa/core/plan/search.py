@@ -31,6 +31,7 @@ from europa.core.config.schema import EuropaConfig
 from europa.core.errors import is_user_error
 from europa.core.plan.planner import Plan
 from europa.core.session import open_session
+from europa.spec.plan_mapping import SearchInputs
 
 MAX_DOUBLINGS = 24
 SHOWN = 5
@@ -136,7 +137,7 @@ def _combine(alternatives: Sequence[dict[str, Any]]) -> tuple[list[str], dict[st
     return plugins, sets
 
 
-def plan_inputs(shapes, hardware, world_size: int, ranks_per_node: int) -> dict[str, Any]:
+def plan_inputs(shapes, hardware, world_size: int, ranks_per_node: int) -> SearchInputs:
     """What ``europa_search_levers`` is given to leave out layouts that cannot fit;
     ``shapes``: the model's ``ModelShapes``, the ones every layout is planned with."""
     return {
@@ -156,7 +157,7 @@ def search_layouts(
     plan_for: Callable[[EuropaConfig, Any], Plan],
     world_size: int,
     ranks_per_node: int,
-    plan_inputs: dict[str, Any],
+    plan_inputs: SearchInputs,
 ) -> SearchResult:
     """Every combination of the levers, planned; ``plan_for(config, manager)`` plans a
     resolved config with the plugins it enables."""
