@@ -71,6 +71,37 @@ def test_every_hook_documents_each_parameter_its_result_and_whether_it_stops_ear
         assert ("Stops at first non-None result" in doc) == stops, hook.__name__
 
 
+# europa-flexshard's plugin joins this list once its hooks are annotated too
+ANNOTATED_PLUGINS = (
+    "europa.core.plugins.builtin.activation_checkpointing",
+    "europa.core.plugins.builtin.fsdp",
+    "europa.core.plugins.builtin.model",
+    "europa.core.plugins.builtin.optimizer",
+    "europa.offload.plugin",
+    "europa.overlap.plugin",
+    "europa.report.plugin",
+)
+
+
+@pytest.mark.parametrize("module", ANNOTATED_PLUGINS)
+def test_hook_implementations_type_each_parameter_as_the_spec_does(module):
+    """A hook's ``job`` says which phase's Job protocol it relies on (``PlanningJob`` or
+    ``RunningJob``), as the spec does."""
+    import importlib
+    import inspect
+
+    hooks = vars(importlib.import_module(module))
+    implemented = [name for name in vars(hookspecs) if name.startswith("europa_") and name in hooks]
+    assert implemented
+    for name in implemented:
+        spec = inspect.signature(getattr(hookspecs, name)).parameters
+        implementation = inspect.signature(hooks[name]).parameters
+        for parameter in implementation:
+            assert implementation[parameter].annotation == spec[parameter].annotation, (
+                f"{module}.{name}({parameter})"
+            )
+
+
 def _public_names_defined(source: str) -> set[str]:
     """The module's own top-level functions, classes and assigned names, not imports."""
     import ast

@@ -1,8 +1,9 @@
 """``europa train -p offload``: europa's hooks over this package's plain API.
 
 Imports only pluggy and the standard library at module level (torch when a
-hook runs); ``job`` is used by duck typing: ``job.config`` (its ``optimizer``
-and ``offload`` tables), ``job.device``, ``job.state``, ``job.optimizer``.
+hook runs); ``job`` is one of europa-spec's protocols (``RunningJob``, or
+``PlanningJob`` in ``europa_plan``): ``job.config`` (its ``optimizer`` and
+``offload`` tables), ``job.device``, ``job.state``, ``job.optimizer``.
 ``job.state["offload"]`` holds the run's ``ActivationOffload`` (its pool and
 statistics) and, with ``optimizer_state``, the ``OffloadedOptimizer``.
 """
@@ -13,11 +14,20 @@ import contextlib
 import fnmatch
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from europa.offload.errors import OffloadError
 from europa.spec.hookspecs import hookimpl
 from europa.spec.optim import FP32, STATE_TENSORS
 from europa.spec.units import GIB
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import torch
+
+    from europa.spec.job import PlanningJob, RunningJob
+    from europa.spec.plan_mapping import PlanMapping, SearchInputs
 
 NAME = "offload"
 
@@ -50,11 +60,11 @@ class OffloadConfig:
 
 
 @hookimpl
-def europa_config_sections():
+def europa_config_sections() -> dict[str, type]:
     return {NAME: OffloadConfig}
 
 
-def host_budget_bytes(table: OffloadConfig, job=None) -> int:
+def host_budget_bytes(table: OffloadConfig, job: RunningJob | None = None) -> int:
     """``host_memory_gib``, or the planned machine's host memory a rank has when the job is
     an execution on fake tensors (``europa.spec.execution``), or this machine's available
     memory shared by its local ranks."""
@@ -80,7 +90,7 @@ def _blocks(model, patterns):
 
 
 @hookimpl
-def europa_wrap_model(job, model):
+def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     from europa.offload.activations import ActivationOffload, OffloadPolicy
     from europa.offload.pool import HostBufferPool
 
@@ -106,7 +116,7 @@ def europa_wrap_model(job, model):
 
 
 @hookimpl
-def europa_wrap_optimizer(job):
+def europa_wrap_optimizer(job: RunningJob) -> None:
     table = job.config.section(NAME)
     if not table.optimizer_state:
         return
@@ -130,7 +140,7 @@ def europa_wrap_optimizer(job):
 
 
 @hookimpl
-def europa_step_context(job, step):
+def europa_step_context(job: RunningJob, step: int) -> AbstractContextManager[None] | None:
     offload = job.state.get(NAME)
 
     @contextlib.contextmanager
@@ -144,7 +154,7 @@ def europa_step_context(job, step):
 
 
 @hookimpl
-def europa_after_step(job, step, metrics):
+def europa_after_step(job: RunningJob, step: int, metrics: dict[str, Any]) -> None:
     offload = job.state[NAME]
     metrics.update(offload.take_stats().as_metrics())
     metrics["offload_pool_allocations"] = offload.pool.allocations
@@ -152,7 +162,9 @@ def europa_after_step(job, step, metrics):
 
 
 @hookimpl
-def europa_search_levers(config, world_size, ranks_per_node, plan):
+def europa_search_levers(
+    config: Any, world_size: int, ranks_per_node: int, plan: SearchInputs
+) -> list[list[dict[str, Any]]]:
     """One lever: nothing offloaded, the saved activations, the optimizer state, or both."""
 
     def offload(activations: bool, optimizer_state: bool) -> dict:
@@ -164,7 +176,7 @@ def europa_search_levers(config, world_size, ranks_per_node, plan):
 
 
 @hookimpl
-def europa_plan(job, plan):
+def europa_plan(job: PlanningJob, plan: PlanMapping) -> None:
     """Fill ``plan["host_offload"]`` (europa-core's planner reads it: which blocks'
     saved tensors move, the size threshold, whether optimizer state lives in
     host memory and the chunk streamed back, the host budget when one is set;

@@ -31,10 +31,18 @@ import contextlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from europa.spec.hookspecs import hookimpl
 from europa.spec.plan_layout import RESHARD_POLICIES
+
+if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
+    import torch
+
+    from europa.spec.job import PlanningJob, RunningJob
+    from europa.spec.plan_mapping import PlanMapping, SearchInputs
 
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own
@@ -101,7 +109,7 @@ class OverlapRun:
 
 
 @hookimpl
-def europa_config_sections():
+def europa_config_sections() -> dict[str, type]:
     return {NAME: OverlapConfig}
 
 
@@ -110,7 +118,7 @@ def _flexshard_blocks(layout, model):
     return [u for u in layout.units if u is not root], root
 
 
-def expert_chunks(job) -> int:
+def expert_chunks(job: PlanningJob) -> int:
     """The chunks of this run's expert exchange: ``expert_chunks_within_node`` where every
     expert-parallel group (``parallel.ep`` consecutive ranks) lies inside one node, else
     ``expert_chunks``."""
@@ -120,7 +128,7 @@ def expert_chunks(job) -> int:
 
 
 @hookimpl(trylast=True)
-def europa_wrap_model(job, model):
+def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     from europa.overlap.experts import overlap_expert_all_to_all
     from europa.overlap.prefetch import prefetch_fsdp, prefetch_gather_units
     from europa.overlap.timeline import Timeline
@@ -149,7 +157,7 @@ def europa_wrap_model(job, model):
 
 
 @hookimpl
-def europa_step_context(job, step):
+def europa_step_context(job: RunningJob, step: int) -> AbstractContextManager[None] | None:
     run = job.state.get(NAME)
     if run is None:
         return None
@@ -188,7 +196,7 @@ def step_metrics(summary: dict[str, float]) -> dict[str, float]:
 
 
 @hookimpl
-def europa_after_step(job, step, metrics):
+def europa_after_step(job: RunningJob, step: int, metrics: dict[str, Any]) -> None:
     run = job.state.get(NAME)
     if run is None or run.timeline is None or run.timeline.last is None:
         return
@@ -202,7 +210,9 @@ def europa_after_step(job, step, metrics):
 
 
 @hookimpl
-def europa_search_levers(config, world_size, ranks_per_node, plan):
+def europa_search_levers(
+    config: Any, world_size: int, ranks_per_node: int, plan: SearchInputs
+) -> list[list[dict[str, Any]]]:
     """One lever: communication as the layout schedules it, or hidden behind compute, with
     every block's gathered parameters freed after its forward or all kept to its backward
     (no second gather, where the memory allows: the plan counts both)."""
@@ -212,7 +222,7 @@ def europa_search_levers(config, world_size, ranks_per_node, plan):
 
 
 @hookimpl
-def europa_plan(job, plan):
+def europa_plan(job: PlanningJob, plan: PlanMapping) -> None:
     """Add ``plan["overlapped_kinds"]`` (europa-core's planner hides these kinds behind
     compute): the layout's own plus the expert all-to-all (in chunks: ``expert_chunks``) and
     host copies (europa-offload's side-stream copies), and ``plan["overlap"]``."""
@@ -232,7 +242,7 @@ def europa_plan(job, plan):
 
 
 @hookimpl
-def europa_register_commands(app):
+def europa_register_commands(app: Any) -> None:
     @app.command("trace")
     def trace(run_dir: str, out: str = "") -> None:
         """Draw a run's compute and communication (europa-overlap's timelines): writes
@@ -246,7 +256,7 @@ def europa_register_commands(app):
 
 
 @hookimpl
-def europa_teardown(job, error):
+def europa_teardown(job: RunningJob, error: BaseException | None) -> None:
     """The timeline patched torch.distributed's collectives process-wide: put them back."""
     run = job.state.get(NAME)
     if run is not None and run.timeline is not None:

@@ -10,8 +10,14 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from europa.spec.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from europa.spec.job import RunningJob
 
 
 @dataclass(kw_only=True)
@@ -23,7 +29,7 @@ class ActivationCheckpointingConfig:
 
 
 @hookimpl
-def europa_config_sections():
+def europa_config_sections() -> dict[str, type]:
     return {"activation_checkpointing": ActivationCheckpointingConfig}
 
 
@@ -39,6 +45,6 @@ def checkpoint_blocks(model) -> int:
 
 
 @hookimpl(tryfirst=True)
-def europa_wrap_model(job, model):
+def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     if job.config.section("activation_checkpointing").mode == "full":
         checkpoint_blocks(model)

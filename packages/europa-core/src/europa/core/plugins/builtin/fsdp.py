@@ -27,13 +27,22 @@ and DTensors, so a third-party DTensor layout needs none of them.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from europa.core.errors import PluginError
 from europa.spec.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed.checkpoint.stateful import Stateful
+
+    from europa.spec.init import InitMatrix
+    from europa.spec.job import RunningJob
 
 OWNER = "core.fsdp2"
 
 
-def data_parallel_mesh(job):
+def data_parallel_mesh(job: RunningJob):
     if job.config.parallel.dp_replicate > 1:
         return job.mesh["dp_replicate", "dp_shard"]
     return job.mesh["dp_shard"]
@@ -49,7 +58,7 @@ def mixed_precision(dtype: str):
 
 
 @hookimpl(trylast=True)
-def europa_shard_model(job, model):
+def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Module:
     ep = job.config.parallel.ep
     if ep > 1:
         raise PluginError(
@@ -81,7 +90,9 @@ def europa_shard_model(job, model):
 
 
 @hookimpl(trylast=True)
-def europa_init_parameters(job, model, init_matrix):
+def europa_init_parameters(
+    job: RunningJob, model: torch.nn.Module, init_matrix: InitMatrix
+) -> bool:
     from europa.core.model.materialise import init_parameters
 
     init_parameters(model, job.device, init_matrix)
@@ -89,14 +100,16 @@ def europa_init_parameters(job, model, init_matrix):
 
 
 @hookimpl(trylast=True)
-def europa_clip_gradients(job, model, max_norm):
+def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float:
     from europa.core.train.gradients import clip_gradients
 
     return clip_gradients(model, max_norm)
 
 
 @hookimpl(trylast=True)
-def europa_checkpoint_state(job, model, optimizer):
+def europa_checkpoint_state(
+    job: RunningJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> Stateful:
     from europa.core.checkpoint.store import TorchDistributedState
 
     return TorchDistributedState(model, optimizer)

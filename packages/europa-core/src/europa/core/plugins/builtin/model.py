@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from europa.spec.hookspecs import hookimpl
 
+if TYPE_CHECKING:
+    import torch
 
-def runs_on_cpu(job) -> bool:
+    from europa.spec.job import PlanningJob
+
+
+def runs_on_cpu(job: PlanningJob) -> bool:
     """The run's compute device: the job's once known, else what ``[parallel]`` asks for."""
-    if job.device is not None:
-        return job.device.type == "cpu"
+    device = getattr(job, "device", None)  # a RunningJob's; a PlanningJob has none
+    if device is not None:
+        return device.type == "cpu"
     import torch
 
     wanted = job.config.parallel.device
@@ -16,7 +24,7 @@ def runs_on_cpu(job) -> bool:
 
 
 @hookimpl(trylast=True)
-def europa_build_model(job):
+def europa_build_model(job: PlanningJob) -> torch.nn.Module:
     from europa.core.launch.distributed import routed_model
     from europa.core.model import build_moe_model
 

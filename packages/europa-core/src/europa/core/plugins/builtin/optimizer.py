@@ -10,8 +10,15 @@ norms, router gates and biases stay on AdamW, as Muon's authors advise.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from europa.spec.hookspecs import hookimpl
 from europa.spec.optim import uses_muon
+
+if TYPE_CHECKING:
+    import torch
+
+    from europa.spec.job import RunningJob
 
 
 def _adamw(params, cfg):
@@ -31,7 +38,7 @@ def _adamw(params, cfg):
 
 
 @hookimpl(trylast=True)
-def europa_build_optimizer(job, model):
+def europa_build_optimizer(job: RunningJob, model: torch.nn.Module) -> torch.optim.Optimizer:
     cfg = job.config.optimizer
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if cfg.name == "adamw":
