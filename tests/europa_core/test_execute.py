@@ -57,6 +57,25 @@ def test_a_kimi_k2_shaped_model_executes_at_128_ranks_as_planned(capsys, tmp_pat
     assert list(tmp_path.iterdir()) == []  # an execution writes nothing
 
 
+def test_a_cpu_plan_of_two_nodes_executes_with_each_direct_transfer_on_its_peers_link(capsys):
+    # gloo's path: FlexShard's gathers and reduce-scatters are direct transfers, each piece
+    # on the link to its peer's node (rank 3's one peer on its node, two on the other), and
+    # the two-level expert exchange indexes on the host with the routing model's indices
+    code, out, _ = _run(capsys, "plan", "debug", "--hardware", "cpu", "-p", "flexshard",
+                        "--set", "parallel.nproc=4", "--set", "parallel.ranks_per_node=2",
+                        "--set", "parallel.ep=4", "--set", "training.seq_len=64",
+                        "--set", "training.batch_size=1", "--set", 'training.dtype="bfloat16"',
+                        "--set", 'parallel.device="cpu"', "--execute", "3", "--json")  # fmt: skip
+    assert code == 0
+    (rank,) = json.loads(out)["execution"]
+    rows = {(t["kind"], t["link"]): t for t in rank["traffic"]}
+    for kind in ("parameter_gather", "gradient_reduce_scatter", "expert_all_to_all"):
+        for link in ("intra_node", "inter_node"):
+            assert rows[kind, link]["planned"] > 0 and rows[kind, link]["agrees"], rows[kind, link]
+    gather = rows["parameter_gather", "intra_node"], rows["parameter_gather", "inter_node"]
+    assert gather[0]["executed"] * 2 == gather[1]["executed"]  # its own pieces to each peer
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [
@@ -66,6 +85,7 @@ def test_a_kimi_k2_shaped_model_executes_at_128_ranks_as_planned(capsys, tmp_pat
         (["--execute", "0", "--routing", "skew:-2"], "routing model 'skew:-2'"),
         (["--routing", "skew:1"], "--routing = 'skew:1': expected only with --execute"),
         (["--set", "training.seq_len=65536", "--execute", "0"], "--execute: kimi-k2: 128 rank(s)"),
+        (["--set", 'training.dtype="float32"', "--execute", "0"], "training.dtype = 'float32'"),
     ],
 )
 def test_bad_execute_input_is_one_line_exit_2_and_writes_nothing(

@@ -67,7 +67,9 @@ class TensorRouting:
 
 class ModelledRouting:
     """The counts a routing model expects (an execution on fake tensors): tensors of the
-    expected lengths, whose values nobody reads, and host counts from the model."""
+    expected lengths, whose values nobody reads, and host counts from the model. Index
+    tensors hold zeros, valid wherever they index: on a CPU plan the host's index
+    arithmetic runs for real on them."""
 
     def counts(self, index: torch.Tensor, bins: int) -> torch.Tensor:
         return torch.empty(bins, dtype=torch.int64, device=index.device)
@@ -78,15 +80,15 @@ class ModelledRouting:
         total = sum(rows_to())
         device = owner_of_slot.device
         return (
-            torch.empty(total, dtype=torch.int64, device=device),
-            torch.empty(total, dtype=torch.int64, device=device),
+            torch.zeros(total, dtype=torch.int64, device=device),
+            torch.zeros(total, dtype=torch.int64, device=device),
         )
 
     def read(self, tensor: torch.Tensor, expected: Callable[[], list]) -> list:
         return expected()
 
     def pairs(self, slots: torch.Tensor, expected: Callable[[], int]) -> torch.Tensor:
-        return torch.empty(expected(), dtype=torch.int64, device=slots.device)
+        return torch.zeros(expected(), dtype=torch.int64, device=slots.device)
 
 
 def rounded(x: float) -> int:

@@ -48,6 +48,17 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
     return ranks
 
 
+def check_executable(config) -> None:
+    """Refuse, in one line, a config whose step cannot run on fake tensors: torch's grouped
+    GEMM, which the routed experts run, has fake kernels for bfloat16 inputs only."""
+    if config.model.num_experts and config.training.dtype != "bfloat16":
+        raise ConfigError(
+            f"training.dtype = {config.training.dtype!r}: --execute runs the routed experts' "
+            "grouped GEMM on fake tensors, which torch has for 'bfloat16' only; expected "
+            'training.dtype = "bfloat16" with --execute'
+        )
+
+
 def backend_of(config, device: str) -> str:
     """The backend the planned run would use (``parallel.backend``, "auto": by device)."""
     if config.parallel.backend != "auto":
@@ -62,6 +73,7 @@ def execute_plan(
     on_rank: Callable[[int], None] = lambda rank: None,
 ) -> list[dict[str, Any]]:
     """Each of ``ranks`` of ``plan`` executed; ``on_rank(rank)`` is told before each."""
+    check_executable(plan.config)
     hardware = plan.hardware
     per_node = plan.config.parallel.ranks_per_node or hardware.gpus_per_node
     results = []

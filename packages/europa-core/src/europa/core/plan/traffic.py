@@ -60,22 +60,31 @@ class Traffic:
         return "point_to_point" if self.direct else COLLECTIVE.get(self.kind)
 
 
-def _direct_transfers(layout: dict, once: set[str], rank: int | None) -> tuple[int, int]:
+def _direct_transfers(
+    layout: dict, once: set[str], rank: int | None, gpus_per_node: int
+) -> dict[str, tuple[int, int]]:
     """Elements one rank sends per micro-batch when each row travels once, straight into
-    place (europa-flexshard on gloo): in a gather its own pieces to every other rank, in a
-    reduce-scatter every other rank's pieces of its gradients to their owners."""
+    place (europa-flexshard on gloo), per link: in a gather its own pieces to every other
+    rank, in a reduce-scatter every other rank's pieces of its gradients to their owners.
+    Each piece crosses the link to its peer's node (the group's ranks are consecutive)."""
     shares = layout["unit_rank_elements"]
     group = layout["gather_group_size"]
+    node = [r // gpus_per_node for r in range(group)]
 
-    def sent(r: int) -> tuple[int, int]:
-        gathered = sum(own[r] * (group - 1) * (1 if unit in once else 2)
-                       for unit, own in shares.items())  # fmt: skip
-        reduced = sum(sum(own) - own[r] for own in shares.values())
-        return gathered, reduced
+    def sent(r: int) -> dict[str, tuple[int, int]]:
+        out = {}
+        for link, same in ((INTRA, True), (INTER, False)):
+            peers = [p for p in range(group) if p != r and (node[p] == node[r]) == same]
+            passes = {unit: len(peers) * (1 if unit in once else 2) for unit in shares}
+            gathered = sum(own[r] * passes[unit] for unit, own in shares.items())
+            reduced = sum(own[p] for own in shares.values() for p in peers)
+            if gathered or reduced:
+                out[link] = (gathered, reduced)
+        return out
 
     if rank is not None:
         return sent(rank)
-    return max((sent(r) for r in range(group)), key=sum)
+    return max((sent(r) for r in range(group)), key=lambda links: sum(map(sum, links.values())))
 
 
 def step_traffic(
@@ -103,15 +112,15 @@ def step_traffic(
     once = {ROOT_UNIT, *kept_blocks}
     direct = bool(layout.get("direct_transfers")) and group > 1
     if direct:
-        gathered, reduced = _direct_transfers(layout, once, rank)
+        by_link = _direct_transfers(layout, once, rank, gpus_per_node)
     else:
         # What each gather and reduce-scatter moves: the unit, or its padded rows where the
         # ranks' shares differ (FlexShard's whole matrices).
         units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
         passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
-        gathered, reduced = passes * ring_share(group), sum(units.values()) * ring_share(group)
-    gathered *= compute_bytes * micro_batches
-    reduced *= reduce_bytes * micro_batches
+        by_link = {
+            shard_link: (passes * ring_share(group), sum(units.values()) * ring_share(group))
+        }
     stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
     replica = layout.get("replica_group") or {
         "size": replicas,
@@ -134,8 +143,26 @@ def step_traffic(
         ]
     }
     out = [
-        Traffic("parameter_gather", shard_link, int(gathered), True, direct=direct),
-        Traffic("gradient_reduce_scatter", shard_link, int(reduced), True, direct=direct),
+        *(
+            Traffic(
+                "parameter_gather",
+                link,
+                int(gathered * compute_bytes * micro_batches),
+                True,
+                direct=direct,
+            )
+            for link, (gathered, _) in by_link.items()
+        ),
+        *(
+            Traffic(
+                "gradient_reduce_scatter",
+                link,
+                int(reduced * reduce_bytes * micro_batches),
+                True,
+                direct=direct,
+            )
+            for link, (_, reduced) in by_link.items()
+        ),
         Traffic(
             "gradient_replica_all_reduce",
             strided_link(replicas, replica_stride, gpus_per_node),
