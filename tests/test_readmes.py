@@ -92,6 +92,18 @@ def test_the_front_page_is_short_and_keeps_the_two_commands():
     assert [line.split("#")[0].strip() for line in commands] == ["make train", "make test"]
 
 
+def test_the_front_page_pins_no_figure_to_a_commit_and_counts_no_tests():
+    """Figures live in benchmarks/README.md, each table from one stated run; the front page
+    links there, so it never goes stale with a commit or a count."""
+    text = (ROOT / "README.md").read_text()
+    assert not re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
+    assert not re.findall(r"\b(?:at|commit)\s+[0-9a-f]{7,40}\b", text)  # digits-only hashes
+    assert not re.findall(r"\b\d+ (?:tests|passed)\b", text)
+    picture = re.search(r"## Packages\n.*?```text\n(.*?)```", text, re.S).group(1)
+    layers = [line.split()[0] for line in picture.splitlines()]
+    assert layers == ["europa-cli", "europa-core", "europa-flexshard", "europa-spec", "torch,"]
+
+
 def test_github_slugs():
     assert github_slug("Will it fit? `europa plan`") == "will-it-fit-europa-plan"
     assert (
