@@ -187,8 +187,9 @@ class EuropaProcess:
     the command does anything. Popen's interface as the tests use it; the process's
     stderr and stdout go to files (``stderr``, and ``stderr`` + ``.out``)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str] | None = None, *,
-                 stderr: os.PathLike) -> None:  # fmt: skip
+    def __init__(
+        self, argv: list[str], env: dict[str, str] | None = None, *, stderr: os.PathLike
+    ) -> None:
         self.args, self.stderr_path = list(argv), Path(stderr)
         environ = dict(os.environ if env is None else env)
         args = (list(argv), environ, os.getcwd(), f"{stderr}.out", str(stderr))

@@ -12,9 +12,12 @@ from _e2e_report import GPU_TARGETS, keep_fastest, ratios_and_targets
 
 def _run(system: str, config: str, ranks: int, tokens_per_s: float, mfu: float = 0.5):
     return {
-        "system": system, "config": config, "ranks": ranks,
-        "tokens_per_s": tokens_per_s, "mfu": mfu,
-    }  # fmt: skip
+        "system": system,
+        "config": config,
+        "ranks": ranks,
+        "tokens_per_s": tokens_per_s,
+        "mfu": mfu,
+    }
 
 
 def test_each_target_compares_the_configurations_it_names():
@@ -48,9 +51,12 @@ def test_each_target_compares_the_configurations_it_names():
 def test_a_target_this_run_cannot_measure_is_none():
     targets = ratios_and_targets([_run("europa", "core", 1, 1000, mfu=0.7)])["targets"]
     assert targets["core_mfu_1_rank"] == {"value": 0.7, "at_least": 0.80, "met": False}
-    for name in ("core_over_torchtitan_1_rank", "europa_over_torchtitan_2_ranks",
-                 "flexshard_over_core_1_rank",
-                 "flexshard_ep2_overlap_over_europa_best_2_ranks"):  # fmt: skip
+    for name in (
+        "core_over_torchtitan_1_rank",
+        "europa_over_torchtitan_2_ranks",
+        "flexshard_over_core_1_rank",
+        "flexshard_ep2_overlap_over_europa_best_2_ranks",
+    ):
         assert targets[name]["value"] is None and targets[name]["met"] is None
 
 
@@ -74,7 +80,9 @@ def test_rounds_keep_each_configurations_fastest_round_whole_and_every_rounds_fi
     keep_fastest(kept, {"core": {"tokens_per_s": 600, "step_s": 1.7},
                         "ddp": {"tokens_per_s": 650, "step_s": 1.5}})  # fmt: skip
     keep_fastest(kept, {"core": {"tokens_per_s": 550, "step_s": 1.8}})  # ddp failed here
-    assert kept["core"] == {"tokens_per_s": 600, "step_s": 1.7,
-                            "tokens_per_s_by_round": [500, 600, 550]}  # fmt: skip
-    assert kept["ddp"] == {"tokens_per_s": 700, "step_s": 1.4,
-                           "tokens_per_s_by_round": [700, 650]}  # fmt: skip
+    assert kept["core"] == {
+        "tokens_per_s": 600,
+        "step_s": 1.7,
+        "tokens_per_s_by_round": [500, 600, 550],
+    }
+    assert kept["ddp"] == {"tokens_per_s": 700, "step_s": 1.4, "tokens_per_s_by_round": [700, 650]}

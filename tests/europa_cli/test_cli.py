@@ -306,7 +306,8 @@ def test_commands_that_need_no_model_start_without_loading_torch():
         "    assert run(args) == 0, args\n"
         "print(sorted(m for m in ('torch', 'torchtitan') if m in sys.modules))\n"
     )
-    process = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
-                             timeout=60)  # fmt: skip
+    process = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60
+    )
     assert process.returncode == 0, process.stderr
     assert process.stdout.strip().splitlines()[-1] == "[]"

@@ -76,8 +76,9 @@ BAD_EDITS = [
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(("pattern", "edit", "message"), BAD_EDITS)
-def test_a_measured_profile_edited_badly_is_one_line(measured, tmp_path, capsys, pattern,
-                                                     edit, message):  # fmt: skip
+def test_a_measured_profile_edited_badly_is_one_line(
+    measured, tmp_path, capsys, pattern, edit, message
+):
     edited = tmp_path / "edited.toml"
     text, count = re.subn(pattern, edit, measured.read_text(), count=1)
     assert count == 1

@@ -71,8 +71,10 @@ def _alone(tmp_path, monkeypatch):
 
 
 def _tree(root: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(root.rglob("*"))}  # fmt: skip
+    return {
+        str(p.relative_to(root)): (p.stat().st_size, p.stat().st_mtime_ns)
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _refused(capsys, tmp_path, argv: list[str], *words: str) -> str:
@@ -128,8 +130,9 @@ CASES = [
 
 
 @pytest.mark.parametrize(("argv", "words"), CASES, ids=[" ".join(c[0]) for c in CASES])
-def test_a_bad_file_or_integer_is_one_line_exit_2_and_nothing_written(capsys, tmp_path, argv,
-                                                                     words):  # fmt: skip
+def test_a_bad_file_or_integer_is_one_line_exit_2_and_nothing_written(
+    capsys, tmp_path, argv, words
+):
     _refused(capsys, tmp_path, argv, *words)
     assert not Path("runs").exists()
 
@@ -154,9 +157,14 @@ def test_the_console_script_refuses_random_bytes_as_hardware(tmp_path):
     """The report in issue 39, end to end: a UnicodeDecodeError traceback and exit 1 before."""
     europa = Path(sys.executable).parent / "europa"
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARS, DISABLE_ENV)}
-    done = subprocess.run([str(europa), "plan", "tiny", "--hardware", "random.toml"],
-                          capture_output=True, text=True, cwd=tmp_path, env=env,
-                          timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [str(europa), "plan", "tiny", "--hardware", "random.toml"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stdout + done.stderr
     assert len(done.stderr.splitlines()) == 1 and "'random.toml'" in done.stderr

@@ -75,8 +75,16 @@ def test_plan_and_train_refuse_with_the_same_figures(capsys):
 def test_the_table_names_every_term(capsys):
     code, out, _ = _run(capsys, "plan", "tiny", "--hardware", "cpu", "--nodes", "1")
     assert code == 0
-    for word in ("parameters", "gradients", "optimizer_state", "activations",
-                 "gathered_parameters", "parameter_gather", "MFU", "verdict: fits"):  # fmt: skip
+    for word in (
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "gathered_parameters",
+        "parameter_gather",
+        "MFU",
+        "verdict: fits",
+    ):
         assert word in out
 
 

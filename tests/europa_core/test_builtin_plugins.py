@@ -113,8 +113,12 @@ def test_muon_takes_hidden_matrices_and_leaves_the_rest_to_adamw():
     assert muon | adamw == set(names.values()) and not muon & adamw
     assert "layers.1.moe.routed_experts.inner_experts.w1_EFD" in muon
     assert "layers.1.attention.wkv_a.weight" in muon
-    for name in ("tok_embeddings.weight", "lm_head.weight", "layers.1.moe.router.gate.weight",
-                 "layers.1.attention_norm.weight"):  # fmt: skip
+    for name in (
+        "tok_embeddings.weight",
+        "lm_head.weight",
+        "layers.1.moe.router.gate.weight",
+        "layers.1.attention_norm.weight",
+    ):
         assert name in adamw
 
 

@@ -45,8 +45,14 @@ def test_a_kimi_k2_shaped_model_executes_at_128_ranks_as_planned(capsys, tmp_pat
         assert abs(device["ratio"] - 1) <= 0.10, device
         assert abs(host["ratio"] - 1) <= 0.10, host
         planned = {(t["kind"], t["link"]) for t in rank["traffic"] if t["planned"]}
-        kinds = {"parameter_gather", "gradient_reduce_scatter", "gradient_replica_all_reduce",
-                 "expert_gradient_all_reduce", "expert_all_to_all", "host_copies"}  # fmt: skip
+        kinds = {
+            "parameter_gather",
+            "gradient_reduce_scatter",
+            "gradient_replica_all_reduce",
+            "expert_gradient_all_reduce",
+            "expert_all_to_all",
+            "host_copies",
+        }
         assert {kind for kind, _ in planned} == kinds
         for row in rank["traffic"]:
             assert row["agrees"], row

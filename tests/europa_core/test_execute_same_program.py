@@ -47,8 +47,15 @@ def real_rank_traffic(rank: int, world: int) -> dict:
 
     config, manager = open_session("debug", _settings(world), PLUGINS)
     mesh = init_device_mesh("cpu", mesh_shape(config.parallel, world), mesh_dim_names=MESH_AXES)
-    job = Job(config=config, run_dir=Path("."), rank=rank, world_size=world,
-              ranks_per_node=world, device=torch.device("cpu"), mesh=mesh)  # fmt: skip
+    job = Job(
+        config=config,
+        run_dir=Path("."),
+        rank=rank,
+        world_size=world,
+        ranks_per_node=world,
+        device=torch.device("cpu"),
+        mesh=mesh,
+    )
     measured = run_step_program(
         job,
         manager,

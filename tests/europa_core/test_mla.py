@@ -16,11 +16,26 @@ def _spec(q_lora_rank: int, heads: int, nope: int, rope: int, v_dim: int, chunks
     from europa.core.config.schema import ModelConfig
     from europa.core.model import model_spec
 
-    config = ModelConfig(vocab_size=64, dim=32, n_layers=1, n_dense_layers=1, n_heads=heads,
-                 q_lora_rank=q_lora_rank, kv_lora_rank=16, qk_nope_head_dim=nope,
-                 qk_rope_head_dim=rope, v_head_dim=v_dim, dense_hidden_dim=64,
-                 moe_hidden_dim=16, num_experts=4, num_shared_experts=1, top_k=2,
-                 max_seq_len=64, rope_factor=40.0, rope_original_seq_len=16)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        dim=32,
+        n_layers=1,
+        n_dense_layers=1,
+        n_heads=heads,
+        q_lora_rank=q_lora_rank,
+        kv_lora_rank=16,
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=v_dim,
+        dense_hidden_dim=64,
+        moe_hidden_dim=16,
+        num_experts=4,
+        num_shared_experts=1,
+        top_k=2,
+        max_seq_len=64,
+        rope_factor=40.0,
+        rope_original_seq_len=16,
+    )
     spec = model_spec(config, attention="block_causal").layers[0].attention
     spec.inner_attention = BlockCausalAttention.Config(chunks=chunks)
     return spec

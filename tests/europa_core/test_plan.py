@@ -272,8 +272,9 @@ def test_the_write_cap_of_each_rank_slows_a_faster_file_system():
     every=st.integers(0, 10**4),
     step=st.floats(1e-3, 1e3),
 )
-def test_an_async_save_never_loses_more_than_a_sync_one_and_its_staging(write, staging, every,
-                                                                          step):  # fmt: skip
+def test_an_async_save_never_loses_more_than_a_sync_one_and_its_staging(
+    write, staging, every, step
+):
     lost = lost_per_save(write, staging, every, step)
     assert staging <= lost["async"] <= lost["sync"] + staging
     assert lost_per_save(None, staging, every, step) == {"sync": None, "async": None}

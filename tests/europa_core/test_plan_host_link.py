@@ -102,9 +102,15 @@ def test_the_two_directions_hide_behind_compute_as_one_link():
     rates = {(DEVICE_TO_HOST, None): 1e9, (HOST_TO_DEVICE, None): 4e9}  # 1 s and 0.25 s
 
     def exposed(compute_s):
-        return step_time(model_flops=compute_s, hardware_flops=compute_s, peak_flops=1.0,
-                         matmul_efficiency=1.0, traffic=traffic, bandwidth=rates,
-                         overlapped_kinds=("host_copies",)).exposed_s  # fmt: skip
+        return step_time(
+            model_flops=compute_s,
+            hardware_flops=compute_s,
+            peak_flops=1.0,
+            matmul_efficiency=1.0,
+            traffic=traffic,
+            bandwidth=rates,
+            overlapped_kinds=("host_copies",),
+        ).exposed_s
 
     assert exposed(1.0) == pytest.approx(0.25)  # each alone would hide behind 1 s
     assert exposed(1.25) == pytest.approx(0.0)

@@ -77,8 +77,11 @@ def paragraph(words: list[str]) -> str:
 
 
 @settings(max_examples=8, deadline=None)
-@given(documents=st.lists(st.lists(WORDS, min_size=1, max_size=6).map(paragraph), min_size=1,
-                          max_size=24))  # fmt: skip
+@given(
+    documents=st.lists(
+        st.lists(WORDS, min_size=1, max_size=6).map(paragraph), min_size=1, max_size=24
+    )
+)
 def test_prepared_shards_decode_back_to_the_documents(tmp_path_factory, tokenizer, documents):
     folder = tmp_path_factory.mktemp("inputs")
     write_inputs(folder, documents)
@@ -89,7 +92,11 @@ def test_prepared_shards_decode_back_to_the_documents(tmp_path_factory, tokenize
     assert manifest["documents"] == len(documents)
     assert corpus.num_tokens == manifest["tokens"] == sum(s.tokens for s in corpus.shards)
     assert [Path(s["path"]).name for s in manifest["shards"]] == [
-        "a.txt", "b.jsonl", "c.jsonl.gz", "d.parquet"]  # fmt: skip
+        "a.txt",
+        "b.jsonl",
+        "c.jsonl.gz",
+        "d.parquet",
+    ]
 
 
 def test_embedded_corpus_prepares_to_the_in_memory_stream(tmp_path, tokenizer):
@@ -145,8 +152,9 @@ def test_data_path_as_text_or_prepared_gives_the_same_batches(text_corpus, tmp_p
     text, prepared = text_corpus
     batches = {}
     for name, path in (("text", text), ("prepared", prepared)):
-        config, _ = open_session("tiny", [f"data.path='{path}'", "training.seq_len=16",
-                                          "training.batch_size=2"])  # fmt: skip
+        config, _ = open_session(
+            "tiny", [f"data.path='{path}'", "training.seq_len=16", "training.batch_size=2"]
+        )
         built = build_batches(config, dp_rank=1, dp_world=2, run_dir=tmp_path / name)
         batches[name] = [built.source.batch(step) for step in range(5)]
     for a, b in zip(batches["text"], batches["prepared"], strict=True):
@@ -256,7 +264,11 @@ def test_restart_keeps_complete_shards_and_redoes_the_rest(tmp_path):
     assert (out / "shard-00000.bin").stat().st_mtime_ns == kept_mtime
     assert len(manifest["shards"]) == 2 and not list(out.glob(f"{shard_stem(2)}*"))
     assert decoded_documents(PreparedCorpus(out, "data.path"), load_tokenizer()) == [
-        "document a", "another a", "document b", "another b"]  # fmt: skip
+        "document a",
+        "another a",
+        "document b",
+        "another b",
+    ]
 
 
 def test_refuses_to_mix_tokenizers_in_one_line(tmp_path, capsys):
@@ -327,7 +339,13 @@ def test_a_vocabulary_larger_than_the_model_is_refused(text_corpus, tmp_path):
 
 def test_validation_from_both_a_path_and_a_fraction_is_refused(text_corpus, tmp_path):
     text, prepared = text_corpus
-    config, _ = open_session("tiny", [f"data.path='{prepared}'", f"data.validation_path='{text}'",
-                                      "data.validation_fraction=0.1"])  # fmt: skip
+    config, _ = open_session(
+        "tiny",
+        [
+            f"data.path='{prepared}'",
+            f"data.validation_path='{text}'",
+            "data.validation_fraction=0.1",
+        ],
+    )
     with pytest.raises(ConfigError, match=r"^data.validation_fraction = 0.1: expected 0 when"):
         build_batches(config, dp_rank=0, dp_world=1, run_dir=tmp_path)

@@ -60,8 +60,12 @@ def _arguments(words: str) -> tuple[list[str], list[str]]:
 def test_proposals_fit_keep_the_global_batch_and_are_reproduced_by_their_arguments(
     sequences, world, dtype
 ):
-    overrides = ["training.seq_len=32", f"training.batch_size={sequences}",
-                 f'training.dtype="{dtype}"', "parallel.ranks_per_node=2"]  # fmt: skip
+    overrides = [
+        "training.seq_len=32",
+        f"training.batch_size={sequences}",
+        f'training.dtype="{dtype}"',
+        "parallel.ranks_per_node=2",
+    ]
     result, manager, model = _search("tiny", overrides, world)
     proposals = result.proposals
     assert proposals and result.planned >= len(proposals) and result.skipped > 0

@@ -8,8 +8,13 @@ from europa.cli.app import run
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, train_runs
 
-COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_size=2",
-          'optimizer.name="muon"', "optimizer.lr=0.02"]  # fmt: skip
+COMMON = [
+    "training.steps=3",
+    "training.grad_accum_steps=2",
+    "training.batch_size=2",
+    'optimizer.name="muon"',
+    "optimizer.lr=0.02",
+]
 OFFLOAD = ["offload.min_tensor_kib=1"]
 RECOMPUTE = ['activation_checkpointing.mode="full"']
 STATE = ["offload.optimizer_state=true", "offload.optimizer_chunk_mib=1"]  # several chunks
@@ -21,8 +26,11 @@ RUNS = [
     Run("flexshard", COMMON, ["flexshard"]),
     Run("flexshard-offload", [*COMMON, *OFFLOAD, *STATE], ["flexshard", "offload"]),
 ]
-PAIRS = [("fsdp2", "fsdp2-offload"), ("fsdp2-recompute", "fsdp2-recompute-offload"),
-         ("flexshard", "flexshard-offload")]  # fmt: skip
+PAIRS = [
+    ("fsdp2", "fsdp2-offload"),
+    ("fsdp2-recompute", "fsdp2-recompute-offload"),
+    ("flexshard", "flexshard-offload"),
+]
 
 
 @pytest.mark.distributed

@@ -13,8 +13,12 @@ import pytest
 from europa.cli.app import run
 from tests.trainer_runs import Run
 
-COMMON = ["training.steps=3", "training.grad_accum_steps=2", "training.batch_size=2",
-          "training.seq_len=32"]  # fmt: skip
+COMMON = [
+    "training.steps=3",
+    "training.grad_accum_steps=2",
+    "training.batch_size=2",
+    "training.seq_len=32",
+]
 EP = ["parallel.ep=2", "flexshard.log_plan=false"]
 RECOMPUTE = ['activation_checkpointing.mode="full"', "offload.min_tensor_kib=1"]
 TWO_LEVEL_KEPT = ["parallel.ranks_per_node=1", "parallel.ep_keep_exchanges=true"]
@@ -90,8 +94,10 @@ def test_trace_draws_one_lane_per_rank_with_compute_and_communication(runs, caps
     root, _ = runs
     run_dir = root / "flexshard-overlap"
     assert run(["trace", str(run_dir)]) == 0
-    assert capsys.readouterr().out.split() == [str(run_dir / "trace.html"),
-                                               str(run_dir / "trace.json")]  # fmt: skip
+    assert capsys.readouterr().out.split() == [
+        str(run_dir / "trace.html"),
+        str(run_dir / "trace.json"),
+    ]
     page = (run_dir / "trace.html").read_text()
     lanes = re.findall(r'<g class="lane" data-rank="(\d+)">(.*?)</g>', page, re.S)
     assert [rank for rank, _ in lanes] == ["0", "1"]

@@ -16,9 +16,17 @@ from tests.europa_report.pages import read_page
 LAYERS = ["layers.1", "layers.2", "layers.3"]  # tiny: 4 layers, the first dense
 EXPERTS = 8
 CORE_CHARTS = {
-    "loss", "loss_by_tokens", "lr", "lr_by_tokens", "grad_norm",
-    "tokens_per_s", "step_time_s", "memory_peak_bytes", "expert_imbalance", "skipped_steps",
-}  # fmt: skip
+    "loss",
+    "loss_by_tokens",
+    "lr",
+    "lr_by_tokens",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "memory_peak_bytes",
+    "expert_imbalance",
+    "skipped_steps",
+}
 
 
 def _records(run_dir) -> list[dict]:
@@ -106,8 +114,11 @@ def test_a_run_with_validation_draws_it_in_a_validation_section(tmp_path):
     from tests.conftest import run_ranks
     from tests.trainer_runs import Run, train_runs
 
-    run_ = Run("validated", ["training.steps=4", "data.validation_fraction=0.2",
-                             "metrics.eval_every=2"], [])  # fmt: skip
+    run_ = Run(
+        "validated",
+        ["training.steps=4", "data.validation_fraction=0.2", "metrics.eval_every=2"],
+        [],
+    )
     run_ranks(train_runs, 1, str(tmp_path), [run_])
     run_dir = tmp_path / run_.name
     evaluated = [r["step"] for r in _records(run_dir) if "val_loss" in r]

@@ -206,8 +206,9 @@ def test_the_exact_adamw_gives_the_same_bits_however_the_tensors_are_split(sizes
         for grad in grads:
             for param, piece in zip(params, grad.split(splits), strict=True):
                 param.grad = piece.clone()
-            adamw_update_exact(params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                               weight_decay=0.1)  # fmt: skip
+            adamw_update_exact(
+                params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+            )
         return torch.cat([p.detach() for p in params])
 
     assert torch.equal(stepped(sizes), stepped([sum(sizes)]))
@@ -243,8 +244,9 @@ def test_adamw_any_split_gives_the_same_bits_however_the_stacks_are_cut(
             for grad in grads:
                 for param, piece in zip(params, grad.split(splits), strict=True):
                     param.grad = piece.clone()
-                adamw_update_any_split(params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8,
-                                       weight_decay=0.1)  # fmt: skip
+                adamw_update_any_split(
+                    params, states, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1
+                )
         finally:
             torch.set_num_threads(before)
         return torch.cat([p.detach() for p in params])

@@ -70,9 +70,12 @@ def _rank(rank: int, world: int, root: str) -> dict:
     out = {}
     for name, fail_at in (("ok", None), ("fails", "europa_after_step")):
         recorder = _Recorder(fail_at)
-        manager = EuropaPluginManager(extra_plugins=[
-            ("recorder", recorder, "tests", "0"), ("broken", _BrokenTeardown(), "tests", "0")
-        ])  # fmt: skip
+        manager = EuropaPluginManager(
+            extra_plugins=[
+                ("recorder", recorder, "tests", "0"),
+                ("broken", _BrokenTeardown(), "tests", "0"),
+            ]
+        )
         config, plugins = open_session(
             "tiny", ["training.steps=2", "metrics.progress=false"], ["recorder", "broken"], manager
         )
@@ -88,8 +91,9 @@ def _rank(rank: int, world: int, root: str) -> dict:
     import torch.distributed as dist
 
     before = dist.all_reduce
-    config, plugins = open_session("tiny", ["training.steps=1", "metrics.progress=false",
-                                            "overlap.timeline=true"], ["overlap"])  # fmt: skip
+    config, plugins = open_session(
+        "tiny", ["training.steps=1", "metrics.progress=false", "overlap.timeline=true"], ["overlap"]
+    )
     prepare_run_dir(config, Path(root) / "overlap", resume=False)
     run_training(config, Path(root) / "overlap", ProcessPlace(0, 1, 0, "torchrun"), plugins)
     out["collectives_restored"] = dist.all_reduce is before

@@ -33,8 +33,7 @@ def test_ctrl_c_and_a_killed_rank_during_background_writes(tmp_path, fault_plugi
     env, run_dir = europa_env(fault_plugin_dir), tmp_path / "run"
     many = ["--set", "training.steps=100000"]
 
-    launcher = start_training(env, "--nproc", "2", "--run-dir", str(run_dir), *many, *ASYNC,
-                              *SLOW)  # fmt: skip
+    launcher = start_training(env, "--nproc", "2", "--run-dir", str(run_dir), *many, *ASYNC, *SLOW)
     wait_for(lambda: _writing(run_dir, 0), launcher)
     ctrl_c(launcher)
     _, err = launcher.communicate(timeout=120)

@@ -234,9 +234,13 @@ def test_console_script_exits_2_with_one_line(tmp_path, case):
     env = {k: v for k, v in os.environ.items() if k not in (*LAUNCHER_VARS, DISABLE_ENV)}
     argv, run_dir = _run_dir_of(case.argv)
     proc = subprocess.run(
-        [europa, "train", *argv], capture_output=True, text=True, cwd=tmp_path, env=env,
+        [europa, "train", *argv],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
         timeout=120,
-    )  # fmt: skip
+    )
     _check_one_line(proc.returncode, proc.stdout, proc.stderr, case)
     assert not (tmp_path / run_dir).exists()
     assert not (tmp_path / "runs").exists()

@@ -177,8 +177,9 @@ def test_resume_refuses_a_flipped_bit_in_one_line_and_continues_from_older_when_
     assert line.startswith(
         f"europa: error: --resume: checkpoint {str(newest)!r} is damaged (its file {shard.name}: "
     )
-    assert line.endswith("add --resume-from-older to continue from step-00000001, the newest "
-                         "intact one")  # fmt: skip
+    assert line.endswith(
+        "add --resume-from-older to continue from step-00000001, the newest intact one"
+    )
     args = ["train", "--resume", "--resume-from-older", "--run-dir", str(run_dir), *quiet, *more]
     assert run(args) == 0
     assert "step-00000002 is damaged" in capfd.readouterr().err

@@ -30,9 +30,13 @@ def test_a_rank_whose_peer_hangs_exits_after_the_collective_timeout(tmp_path, fa
     ranks = []
     for rank in range(2):
         env = europa_env(fault_plugin_dir) | {
-            "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        }  # fmt: skip
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
         # python -m europa.cli, forked from the fork server that has imported what it needs
         ranks.append(EuropaProcess(command, env, stderr=tmp_path / f"rank-{rank}.err"))
     survivor, hung = ranks

@@ -46,11 +46,13 @@ def test_a_second_training_into_a_live_run_directory_is_refused_and_the_first_go
     env = europa_env(fault_plugin_dir)
     same = ["-p", "faults", "--set", f"training.steps={STEPS}", "--set", "checkpoint.every=3"]
     held = ["--set", "faults.hold_saves=true"]
-    first = EuropaProcess([*TRAIN, "--run-dir", str(run_dir), *same, *held], env,
-                          stderr=tmp_path / "first.err")  # fmt: skip
+    first = EuropaProcess(
+        [*TRAIN, "--run-dir", str(run_dir), *same, *held], env, stderr=tmp_path / "first.err"
+    )
     # the same training in a directory of its own, beside it: what undisturbed looks like
-    reference = EuropaProcess([*TRAIN, "--run-dir", str(alone), *same], env,
-                              stderr=tmp_path / "reference.err")  # fmt: skip
+    reference = EuropaProcess(
+        [*TRAIN, "--run-dir", str(alone), *same], env, stderr=tmp_path / "reference.err"
+    )
     try:
         deadline = time.monotonic() + 120
         while not any(run_dir.glob("holding-save-rank-*")):
@@ -94,8 +96,9 @@ def test_a_training_killed_with_sigkill_can_be_resumed_at_once(tmp_path):
     train on as orphans in the directory the resume takes), and --resume needs nothing."""
     run_dir = tmp_path / "killed"
     long_run = ["--set", "training.steps=100000", "--set", "checkpoint.every=3"]
-    first = EuropaProcess([*TRAIN, "--run-dir", str(run_dir), *long_run],
-                          stderr=tmp_path / "first.err")  # fmt: skip
+    first = EuropaProcess(
+        [*TRAIN, "--run-dir", str(run_dir), *long_run], stderr=tmp_path / "first.err"
+    )
     try:
         deadline = time.monotonic() + 120
         while len(_records(run_dir)) < 4:

@@ -113,8 +113,9 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         if replicas is not None:
             overrides += [f"parallel.dp_replicate={replicas}", "parallel.dp_shard=-1"]
         # A search replaces the layout keys, so the rules between keys wait for its layouts.
-        resolved, plugins = open_session(config, overrides, plugin or [], manager,
-                                         cross_field_rules=not search)  # fmt: skip
+        resolved, plugins = open_session(
+            config, overrides, plugin or [], manager, cross_field_rules=not search
+        )
         if replicas is not None:
             world = replicas * gpus_per_replica
         elif nodes is not None:
@@ -149,8 +150,9 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             plan = plan_for(resolved, world)
             document, text = plan_json(plan), plan_table(plan)
         else:
-            plan, document, text = _search(config, overrides, plugin or [], manager, resolved,
-                                           profile, world, shapes, plan_for)  # fmt: skip
+            plan, document, text = _search(
+                config, overrides, plugin or [], manager, resolved, profile, world, shapes, plan_for
+            )
         if execute is not None:
             document["execution"] = _execute(plan, ranks, routing_model)
             text += "\n\n" + _execution_text(document["execution"])
@@ -181,8 +183,9 @@ def _execute(plan, ranks, routing_model) -> list[dict]:
         raise ConfigError(f"--execute: {plan.refusal()}; expected a layout that fits")
 
     def say(rank: int) -> None:
-        print(f"europa plan: executing rank {rank} of {plan.world_size}", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            f"europa plan: executing rank {rank} of {plan.world_size}", file=sys.stderr, flush=True
+        )
 
     return [compare_rank(plan, r) for r in execute_plan(plan, ranks, routing_model, say)]
 

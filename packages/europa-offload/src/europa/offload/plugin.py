@@ -168,11 +168,19 @@ def europa_search_levers(
     """One lever: nothing offloaded, the saved activations, the optimizer state, or both."""
 
     def offload(activations: bool, optimizer_state: bool) -> dict:
-        return {"plugins": [NAME], "set": {f"{NAME}.activations": activations,
-                                           f"{NAME}.optimizer_state": optimizer_state}}  # fmt: skip
+        return {
+            "plugins": [NAME],
+            "set": {f"{NAME}.activations": activations, f"{NAME}.optimizer_state": optimizer_state},
+        }
 
-    return [[{"plugins": [], "set": {}}, offload(True, False), offload(False, True),
-             offload(True, True)]]  # fmt: skip
+    return [
+        [
+            {"plugins": [], "set": {}},
+            offload(True, False),
+            offload(False, True),
+            offload(True, True),
+        ]
+    ]
 
 
 @hookimpl

@@ -77,9 +77,11 @@ class OverlappedRoutedExperts:
         B, L, D = x_BLD.shape
         K = topk_scores_BLK.shape[-1]
         routed = self.dispatcher.begin(
-            x_BLD.view(B * L, D), topk_scores_BLK.view(-1, K), topk_expert_ids_BLK.view(-1, K),
+            x_BLD.view(B * L, D),
+            topk_scores_BLK.view(-1, K),
+            topk_expert_ids_BLK.view(-1, K),
             self.chunks,
-        )  # fmt: skip
+        )
         try:
             if self.shared is not None:
                 self.shared.compute(x_BLD)  # while the tokens travel

@@ -138,8 +138,13 @@ def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     layout = job.state.get("flexshard")
     if layout is not None and hasattr(layout, "units"):
         blocks, root = _flexshard_blocks(layout, model)
-        prefetch_gather_units(blocks, table.prefetch_depth, table.reshard_after_forward, root,
-                              async_reduce=table.reduce_scatter_async)  # fmt: skip
+        prefetch_gather_units(
+            blocks,
+            table.prefetch_depth,
+            table.reshard_after_forward,
+            root,
+            async_reduce=table.reduce_scatter_async,
+        )
         run.layout = layout
     else:
         layers = getattr(model, "layers", None)
@@ -217,8 +222,13 @@ def europa_search_levers(
     every block's gathered parameters freed after its forward or all kept to its backward
     (no second gather, where the memory allows: the plan counts both)."""
     key = f"{NAME}.reshard_after_forward"
-    return [[{"plugins": [], "set": {}}, {"plugins": [NAME], "set": {key: "all"}},
-             {"plugins": [NAME], "set": {key: "none"}}]]  # fmt: skip
+    return [
+        [
+            {"plugins": [], "set": {}},
+            {"plugins": [NAME], "set": {key: "all"}},
+            {"plugins": [NAME], "set": {key: "none"}},
+        ]
+    ]
 
 
 @hookimpl

@@ -136,8 +136,10 @@ def _axis(end: float, scale: float, y: float) -> str:
     ticks = []
     for index in range(int(end / step) + 1):
         t, x = index * step, LABEL_WIDTH + index * step * scale
-        ticks.append(f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 5}" stroke="#333"/>'
-                     f'<text x="{x:.1f}" y="{y + 17}" font-size="10">{t:g} s</text>')  # fmt: skip
+        ticks.append(
+            f'<line x1="{x:.1f}" y1="{y}" x2="{x:.1f}" y2="{y + 5}" stroke="#333"/>'
+            f'<text x="{x:.1f}" y="{y + 17}" font-size="10">{t:g} s</text>'
+        )
     return "".join(ticks)
 
 
@@ -193,19 +195,41 @@ left to right, each rank's step drawn from its own start. Hover a bar for its du
 def chrome_trace(records: list[dict[str, Any]]) -> dict[str, Any]:
     events: list[dict[str, Any]] = []
     for rank, rows in lanes(records).items():
-        events.append({"ph": "M", "name": "process_name", "pid": rank, "tid": 0,
-                       "args": {"name": f"rank {rank}"}})  # fmt: skip
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "tid": 0,
+                "args": {"name": f"rank {rank}"},
+            }
+        )
         for tid, (label, row) in enumerate(rows):
-            events.append({"ph": "M", "name": "thread_name", "pid": rank, "tid": tid,
-                           "args": {"name": label}})  # fmt: skip
-            events.append({"ph": "M", "name": "thread_sort_index", "pid": rank, "tid": tid,
-                           "args": {"sort_index": tid}})  # fmt: skip
+            events.append(
+                {"ph": "M", "name": "thread_name", "pid": rank, "tid": tid, "args": {"name": label}}
+            )
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_sort_index",
+                    "pid": rank,
+                    "tid": tid,
+                    "args": {"sort_index": tid},
+                }
+            )
             for kind, start, stop, step in row:
-                events.append({
-                    "ph": "X", "name": kind, "cat": "compute" if kind == "compute" else "comm",
-                    "pid": rank, "tid": tid, "ts": round(start * 1e6, 3),
-                    "dur": round((stop - start) * 1e6, 3), "args": {"step": step + 1},
-                })  # fmt: skip
+                events.append(
+                    {
+                        "ph": "X",
+                        "name": kind,
+                        "cat": "compute" if kind == "compute" else "comm",
+                        "pid": rank,
+                        "tid": tid,
+                        "ts": round(start * 1e6, 3),
+                        "dur": round((stop - start) * 1e6, 3),
+                        "args": {"step": step + 1},
+                    }
+                )
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 

@@ -115,13 +115,17 @@ def _training(runs: list[RunData]) -> list[Chart]:
 def _validation(runs: list[RunData]) -> list[Chart]:
     """The held-out sequences' loss and perplexity, a point at each step that evaluated."""
     charts = []
-    for key, title, y_title in ((metrics.VAL_LOSS, "Validation loss by step", "cross-entropy"),
-                                (metrics.VAL_PERPLEXITY, "Validation perplexity by step",
-                                 "perplexity")):  # fmt: skip
+    for key, title, y_title in (
+        (metrics.VAL_LOSS, "Validation loss by step", "cross-entropy"),
+        (metrics.VAL_PERPLEXITY, "Validation perplexity by step", "perplexity"),
+    ):
         traces = []
         for run in runs:
-            points = [(x, y) for x, y in zip(series.steps(run), series.column(run, key),
-                                             strict=True) if y is not None]  # fmt: skip
+            points = [
+                (x, y)
+                for x, y in zip(series.steps(run), series.column(run, key), strict=True)
+                if y is not None
+            ]
             if points:
                 trace = _line(run.label, [x for x, _ in points], [y for _, y in points])
                 traces.append(trace | {"mode": "lines+markers"})

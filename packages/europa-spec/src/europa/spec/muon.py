@@ -128,8 +128,14 @@ def adamw_update_any_split(
     fused = [takes_fused_adamw(p) for p in params]
     for update, wanted in ((adamw_update, True), (adamw_update_exact, False)):
         chosen = [i for i, f in enumerate(fused) if f is wanted]
-        update([params[i] for i in chosen], [states[i] for i in chosen], lr=lr, betas=betas,
-               eps=eps, weight_decay=weight_decay)  # fmt: skip
+        update(
+            [params[i] for i in chosen],
+            [states[i] for i in chosen],
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+        )
 
 
 @torch.no_grad()

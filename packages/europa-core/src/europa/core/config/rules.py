@@ -43,12 +43,18 @@ def _check_expert_exchange(config: EuropaConfig) -> None:
     if p.ep == 1:
         for key, default in _EXCHANGE_DEFAULTS.items():
             if getattr(p, key) != default:
-                raise fail(f"parallel.{key}", getattr(p, key), "its default when parallel.ep = 1 "
-                           "(no token is exchanged)")  # fmt: skip
+                raise fail(
+                    f"parallel.{key}",
+                    getattr(p, key),
+                    "its default when parallel.ep = 1 (no token is exchanged)",
+                )
     checkpointing = config.extensions.get("activation_checkpointing")
     if p.ep_keep_exchanges and getattr(checkpointing, "mode", "none") != "full":
-        raise fail("parallel.ep_keep_exchanges", True, 'activation_checkpointing.mode = "full" '
-                   "(only a recomputed forward exchanges again)")  # fmt: skip
+        raise fail(
+            "parallel.ep_keep_exchanges",
+            True,
+            'activation_checkpointing.mode = "full" (only a recomputed forward exchanges again)',
+        )
     limit = p.ep_max_nodes_per_token
     if not limit:
         return

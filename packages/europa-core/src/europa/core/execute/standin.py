@@ -68,12 +68,19 @@ class _StandinModule:
 
 def _fused_attention(original):
     def scaled_dot_product_attention(
-        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
         enable_gqa=False,
-    ):  # fmt: skip
+    ):
         if query.device.type != STANDIN or attn_mask is not None or enable_gqa:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                            enable_gqa=enable_gqa)  # fmt: skip
+            return original(
+                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa
+            )
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, grad, dropout_p, is_causal, False, scale=scale

@@ -127,9 +127,15 @@ class _BlockCausal(torch.autograd.Function):
         batch, seq_len, heads, _ = grad_out_BLNH.shape
         grad_q_BLNH = grad_out_BLNH.new_empty((batch, seq_len, heads, k.size(-1)), dtype=q_dtype)
         grad_k, grad_v = _attend_backward(
-            k, v, saved[:blocks], saved[blocks:], grad_out_BLNH,
-            lambda start, grad_q: _write_rows(grad_q_BLNH, start, grad_q), ctx.scale, ctx.bounds,
-        )  # fmt: skip
+            k,
+            v,
+            saved[:blocks],
+            saved[blocks:],
+            grad_out_BLNH,
+            lambda start, grad_q: _write_rows(grad_q_BLNH, start, grad_q),
+            ctx.scale,
+            ctx.bounds,
+        )
         grad_k = _sequence_major(grad_k, batch, heads).to(k_dtype)
         grad_v = _sequence_major(grad_v, batch, heads).to(grad_out_BLNH.dtype)
         return grad_q_BLNH, grad_k, grad_v, None, None
@@ -157,8 +163,9 @@ class _BlockCausalMLA(torch.autograd.Function):
     def forward(ctx, q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope: int, scale: float, bounds):
         batch, seq_len, heads, _ = kv_BLNF.shape
         rope = k_pe_BL1R.size(-1)
-        k = torch.empty(batch, heads, seq_len, nope + rope, dtype=torch.float32,
-                        device=kv_BLNF.device)  # fmt: skip
+        k = torch.empty(
+            batch, heads, seq_len, nope + rope, dtype=torch.float32, device=kv_BLNF.device
+        )
         k[..., :nope].copy_(kv_BLNF[..., :nope].transpose(1, 2))
         k[..., nope:].copy_(k_pe_BL1R.transpose(1, 2).expand(batch, heads, seq_len, rope))
         k = k.view(batch * heads, seq_len, nope + rope)
@@ -167,8 +174,14 @@ class _BlockCausalMLA(torch.autograd.Function):
 
         def query_block(start: int, end: int) -> torch.Tensor:
             rows = q_BLNQ[:, start:end]
-            block = torch.empty(batch, heads, end - start, q_BLNQ.size(-1), dtype=torch.float32,
-                                device=q_BLNQ.device)  # fmt: skip
+            block = torch.empty(
+                batch,
+                heads,
+                end - start,
+                q_BLNQ.size(-1),
+                dtype=torch.float32,
+                device=q_BLNQ.device,
+            )
             block[..., :nope].copy_(rows[..., :nope].transpose(1, 2))
             block[..., nope:].copy_(
                 rotate(rows[..., nope:], rope_cache[:, start:end]).transpose(1, 2)
@@ -199,9 +212,15 @@ class _BlockCausalMLA(torch.autograd.Function):
             grad_q[:, start:end, :, nope:].copy_(rotate(pe, unrotation[:, start:end]))
 
         grad_k, grad_v = _attend_backward(
-            k, v, saved[:blocks], saved[blocks:], grad_out_BLNH, write_grad_q, ctx.scale,
+            k,
+            v,
+            saved[:blocks],
+            saved[blocks:],
+            grad_out_BLNH,
+            write_grad_q,
+            ctx.scale,
             ctx.bounds,
-        )  # fmt: skip
+        )
         grad_k = _sequence_major(grad_k, batch, heads)
         grad_kv = grad_out_BLNH.new_empty(
             (batch, seq_len, heads, nope + grad_v.size(-1)), dtype=kv_dtype

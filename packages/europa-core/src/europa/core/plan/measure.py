@@ -265,8 +265,9 @@ def _memory(device) -> tuple[float, float]:
     return total / GIB, 0.0
 
 
-def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
-            per_node: int) -> tuple[HardwareProfile, Measured]:  # fmt: skip
+def measure(
+    config, model_shapes: ModelShapes, base: HardwareProfile, device, per_node: int
+) -> tuple[HardwareProfile, Measured]:
     """This rank's part of the measurement; every rank returns the same profile."""
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -284,8 +285,10 @@ def measure(config, model_shapes: ModelShapes, base: HardwareProfile, device,
         "device": device.type,
         "gpus_per_node": per_node,
     }
-    links = (("intra_node", intra_group, per_node > 1, "one rank per node"),
-             ("inter_node", inter_group, nodes > 1, "one node"))  # fmt: skip
+    links = (
+        ("intra_node", intra_group, per_node > 1, "one rank per node"),
+        ("inter_node", inter_group, nodes > 1, "one node"),
+    )
     for link, group, measurable, why_not in links:
         if not measurable:
             found.notes.append(f"{link}: {why_not}, kept from the base profile")
@@ -379,8 +382,12 @@ def run_measurement(config, base: HardwareProfile, out: str | None, command: str
         _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, "env://")
         return
     address = f"tcp://127.0.0.1:{free_port()}"
-    mp.start_processes(_rank_main, args=(world, per_node, config, base, out, command, address),
-                       nprocs=world, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _rank_main,
+        args=(world, per_node, config, base, out, command, address),
+        nprocs=world,
+        start_method="spawn",
+    )
 
 
 def _rank_main(rank, world, per_node, config, base, out, command, address) -> None:
@@ -398,8 +405,9 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=address, rank=rank,
-                            world_size=world)  # fmt: skip
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=address, rank=rank, world_size=world
+    )
     try:
         shapes = ModelShapes.of(build_moe_model(config.model))  # on the meta device
         profile, found = measure(config, shapes, base, device, per_node)

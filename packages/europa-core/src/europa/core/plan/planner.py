@@ -125,8 +125,12 @@ class Plan:
     @property
     def checkpoint_lost_s(self) -> dict[str, float | None]:
         """Training seconds one save costs, by ``checkpoint.mode`` (a prediction)."""
-        return lost_per_save(self.checkpoint_write_s, self.checkpoint_stage_s,
-                             self.config.checkpoint.every, self.step.step_s)  # fmt: skip
+        return lost_per_save(
+            self.checkpoint_write_s,
+            self.checkpoint_stage_s,
+            self.config.checkpoint.every,
+            self.step.step_s,
+        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -223,8 +227,12 @@ def make_plan(
     else the profile's ``gpus_per_node``). ``shapes``: the model's, read once by a caller
     that plans many layouts of one model (reading them walks the whole module tree)."""
     mesh = mesh_shape(config.parallel, world_size)
-    job = Job(config=config, run_dir=Path("."), world_size=world_size,
-              ranks_per_node=ranks_per_node or hardware.gpus_per_node)  # fmt: skip
+    job = Job(
+        config=config,
+        run_dir=Path("."),
+        world_size=world_size,
+        ranks_per_node=ranks_per_node or hardware.gpus_per_node,
+    )
     check_node_layout(config.parallel, world_size, job.node_size)
     if shapes is None:
         if model is None:
@@ -332,8 +340,13 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
     )
     traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
-    write_s = write_seconds(checkpoint, world_size // per_node, per_node,
-                            hardware.filesystem_gbps, config.checkpoint.max_write_mbps)  # fmt: skip
+    write_s = write_seconds(
+        checkpoint,
+        world_size // per_node,
+        per_node,
+        hardware.filesystem_gbps,
+        config.checkpoint.max_write_mbps,
+    )
     per_token = model_flops_per_token(shapes, model_cfg, training.seq_len)
     tokens_per_rank = tokens * training.grad_accum_steps
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.

@@ -149,11 +149,14 @@ def plan_table(plan: Plan) -> str:
     lines += [
         f"  checkpoint: {human(plan.checkpoint_bytes)} in all, each byte once (about "
         f"{human(plan.checkpoint_bytes / plan.world_size)} a rank); "
-        + (f"written in {write:.3g} s" if write is not None else
-           "its write time needs the profile's filesystem_gbps"),
+        + (
+            f"written in {write:.3g} s"
+            if write is not None
+            else "its write time needs the profile's filesystem_gbps"
+        ),
         *_checkpoint_lost(plan),
         "",
-    ]  # fmt: skip
+    ]
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
     return "\n".join(lines)
@@ -176,8 +179,10 @@ def _checkpoint_lost(plan: Plan) -> list[str]:
     else:
         when = "checkpoint.every = 0: only the final save, whose whole write training waits for"
         rest = f"the whole write, {_seconds(write)}"
-    staging = (f"{plan.checkpoint_stage_s:.3g} s staging {human(plan.checkpoint_stage_bytes)} "
-               "a rank into host memory")  # fmt: skip
+    staging = (
+        f"{plan.checkpoint_stage_s:.3g} s staging {human(plan.checkpoint_stage_bytes)} "
+        "a rank into host memory"
+    )
     label = {m: m + (" (configured)" if m == plan.config.checkpoint.mode else "") for m in lost}
     return [
         f"  training time lost per save, predicted ({when}):",

@@ -178,8 +178,11 @@ def search_layouts(
             continue
         enabled, sets = combined
         chosen = tuple(kept + sorted(enabled))
-        settings = [*overrides, *(f"{k}={toml_value(v)}" for k, v in sets.items()),
-                    f"plugins.enabled={json.dumps(list(chosen))}"]  # fmt: skip
+        settings = [
+            *overrides,
+            *(f"{k}={toml_value(v)}" for k, v in sets.items()),
+            f"plugins.enabled={json.dumps(list(chosen))}",
+        ]
         try:
             config, _ = open_session(source, settings, (), manager)
             plan = plan_for(config, manager)
@@ -193,11 +196,15 @@ def search_layouts(
             proposals.append(Proposal(chosen, tuple(sets.items()), plan))
     defaults = table_defaults(manager)
     # Fastest first; then the least memory; then the fewest changes to the command.
-    proposals.sort(key=lambda p: (round(p.step.step_s, 9), p.plan.device_total,
-                                  len(p.arguments(base, defaults))))  # fmt: skip
+    proposals.sort(
+        key=lambda p: (
+            round(p.step.step_s, 9),
+            p.plan.device_total,
+            len(p.arguments(base, defaults)),
+        )
+    )
     manager.enable(base.plugins.enabled)  # as the user's own config left it
-    return SearchResult(proposals, planned, skipped, time.perf_counter() - started, base,
-                        defaults)  # fmt: skip
+    return SearchResult(proposals, planned, skipped, time.perf_counter() - started, base, defaults)
 
 
 def proposals_json(result: SearchResult, shown: int = SHOWN) -> list[dict[str, Any]]:
