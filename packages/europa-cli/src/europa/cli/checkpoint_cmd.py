@@ -8,18 +8,13 @@ from typing import Annotated
 
 import typer
 
+from europa.cli.options import command_group
+
 DAMAGED = 1  # a finding, not bad input (2)
 
 
 def register(app: typer.Typer) -> None:
-    checkpoint = typer.Typer(
-        name="checkpoint",
-        help="Inspect a run's checkpoints.",
-        no_args_is_help=True,
-        add_completion=False,
-        rich_markup_mode=None,
-    )
-    app.add_typer(checkpoint)
+    checkpoint = command_group(app, "checkpoint", "Inspect a run's checkpoints.")
 
     @checkpoint.command("verify")
     def verify_command(

@@ -9,18 +9,12 @@ from typing import Annotated
 
 import typer
 
+from europa.cli.options import command_group
 from europa.core.plugins import EuropaPluginManager
 
 
 def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
-    data = typer.Typer(
-        name="data",
-        help="Prepare training data.",
-        no_args_is_help=True,
-        add_completion=False,
-        rich_markup_mode=None,
-    )
-    app.add_typer(data)
+    data = command_group(app, "data", "Prepare training data.")
 
     @data.command("prepare")
     def prepare_command(

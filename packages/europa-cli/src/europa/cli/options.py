@@ -1,4 +1,4 @@
-"""Options shared by several commands."""
+"""Options, and the sub-command group, shared by several commands."""
 
 from __future__ import annotations
 
@@ -22,3 +22,13 @@ PluginOpt = Annotated[
     list[str] | None,
     typer.Option("--plugin", "-p", metavar="NAME", help="Switch on a technique plugin."),
 ]
+
+
+def command_group(app: typer.Typer, name: str, help: str) -> typer.Typer:
+    """``europa NAME``: a group of sub-commands added to ``app``, which prints its help when
+    given no sub-command."""
+    group = typer.Typer(
+        name=name, help=help, no_args_is_help=True, add_completion=False, rich_markup_mode=None
+    )
+    app.add_typer(group)
+    return group

@@ -13,6 +13,8 @@ Plain API (needs only torch):
 ``europa.offload.plugin`` adapts these to europa's hooks (``europa train -p offload``).
 """
 
+from europa.spec.lazy import lazy_exports
+
 # The names load on first use (PEP 562), so that importing the plugin module,
 # which every ``europa`` command does, does not import torch.
 _WHERE = {
@@ -37,12 +39,4 @@ __all__ = [
     "offload_activations",
 ]
 
-
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)
