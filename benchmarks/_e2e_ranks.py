@@ -48,7 +48,7 @@ def europa_runs(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             dist.barrier()
             job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                       local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-            trainer = Trainer(job, plugins, resume=False)
+            trainer = Trainer(job, plugins)
             clock = StepClock(args["warmup"], args["timed"], args["profiled"], device_kind)
             trainer._forward_backward, trainer.optimizer.step = clock.watch(
                 trainer.model, trainer._forward_backward, trainer.optimizer.step

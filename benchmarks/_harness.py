@@ -106,7 +106,7 @@ def trainer_on_rank(
     try:
         job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                   local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        yield Trainer(job, manager, resume=False)
+        yield Trainer(job, manager)
     finally:
         shutdown()
 

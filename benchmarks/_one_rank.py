@@ -45,4 +45,4 @@ def one_rank_trainer(preset: str, overrides: list[str]):
     device, mesh = init_distributed(config.parallel, ProcessPlace(0, 1, 0, "single"))
     job = Job(config=config, run_dir=run_dir, rank=0, world_size=1, local_rank=0,
               device=device, mesh=mesh)  # fmt: skip
-    return Trainer(job, plugins, False)
+    return Trainer(job, plugins)

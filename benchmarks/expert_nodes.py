@@ -196,7 +196,7 @@ def _trainer(args, overrides: list[str], run_dir: Path):
         device=device,
         mesh=mesh,
     )
-    return Trainer(job, manager, resume=False)
+    return Trainer(job, manager)
 
 
 def _planned(trainer) -> dict[str, int]:

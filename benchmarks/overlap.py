@@ -76,7 +76,7 @@ def _trainer(args, overrides: list[str], run_dir: Path):
     device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
     job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world, local_rank=rank,
               ranks_per_node=per_node, device=device, mesh=mesh)  # fmt: skip
-    return Trainer(job, manager, resume=False)
+    return Trainer(job, manager)
 
 
 def worker(args) -> None:

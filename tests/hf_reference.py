@@ -136,7 +136,7 @@ def import_train_export(
         )
         job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                   local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        trainer = Trainer(job, manager, False)
+        trainer = Trainer(job, manager)
         read = [None] * world
         dist.all_gather_object(read, trainer.imported_bytes)
         imported = _logits(trainer.model)

@@ -38,7 +38,7 @@ def _seed_cache(config, run_dir: Path) -> None:
             shutil.copytree(folder, run_dir / CACHE / folder.name)
 
 
-def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: bool = False):
+def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume_from=None):
     """The Trainer ``europa train`` builds on this rank of a spawned gloo group."""
     from europa.core.job import Job
     from europa.core.launch.distributed import ProcessPlace, init_distributed
@@ -50,7 +50,7 @@ def rank_trainer(rank: int, world: int, config, plugins, run_dir: Path, resume: 
               local_rank=rank, device=device, mesh=mesh)  # fmt: skip
     if rank == 0:
         _seed_cache(config, run_dir)
-    trainer = Trainer(job, plugins, resume)
+    trainer = Trainer(job, plugins, resume_from)
     if rank == 0:
         _PREPARED.setdefault(repr(config.data), run_dir)
     return trainer
@@ -74,7 +74,9 @@ def train_runs(rank: int, world: int, root: str, runs: list[Run]) -> dict[str, l
                     shutil.rmtree(later)
             prepare_run_dir(config, run_dir, resume=run.resume_from is not None)
         dist.barrier()
-        trainer = rank_trainer(rank, world, config, plugins, run_dir, run.resume_from is not None)
+        saved = sorted((run_dir / "checkpoints").glob("step-*"))  # the one kept above
+        first = saved[0] if run.resume_from else None
+        trainer = rank_trainer(rank, world, config, plugins, run_dir, first)
         trainer.run()
         assert plugins.teardown(trainer.job, None) is None  # as europa train ends a run
         dist.barrier()

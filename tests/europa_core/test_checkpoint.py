@@ -118,3 +118,23 @@ def test_a_one_rank_save_and_load_leave_no_openmp_team_on_gloos_thread(tmp_path)
     # spinning between parallel regions: every later step of the run was about 20% slower.
     before, after = run_ranks(_threads_around_save_and_load, 1, str(tmp_path))[0]
     assert after == before
+
+
+def test_a_load_reads_the_metadata_once(tmp_path, monkeypatch):
+    """The check before DCP and DCP's own read share one read of ``.metadata``."""
+    from pathlib import Path
+
+    _save_twice_and_interrupt(tmp_path)
+    reads = []
+    read_bytes = Path.read_bytes
+
+    def counted(path):
+        reads.extend([path.name] if path.name == ".metadata" else [])
+        return read_bytes(path)
+
+    monkeypatch.setattr(Path, "read_bytes", counted)
+    restored = torch.nn.Linear(3, 2)
+    state = checkpoint.TorchDistributedState(restored, torch.optim.AdamW(restored.parameters()))
+    loaded = checkpoint.load_checkpoint(checkpoint.step_dir(tmp_path, 3), state, {"step": 0})
+    assert loaded["step"] == 3
+    assert reads == [".metadata"]

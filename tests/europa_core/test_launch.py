@@ -115,3 +115,62 @@ def test_inconsistent_node_options_are_one_line(nodes, message):
     with pytest.raises(LaunchError) as err:
         Nodes(**nodes).check()
     assert str(err.value).startswith(message)
+
+
+def _resume_from_the_older(rank: int, world: int, root: str) -> dict:
+    from pathlib import Path
+
+    from europa.core.checkpoint.store import step_dir
+    from europa.core.launch.prepare import prepare_run_dir
+    from europa.core.session import open_session
+    from europa.core.train.loop import run_training
+
+    run_dir, place = Path(root), ProcessPlace(0, 1, 0, "torchrun")
+    steps = ["training.steps=4", "checkpoint.every=2", "metrics.progress=false"]
+    config, plugins = open_session("tiny", steps)
+    prepare_run_dir(config, run_dir, resume=False)
+    run_training(config, run_dir, place, plugins)  # saves steps 2 and 4
+    config, plugins = open_session("tiny", steps)
+    return run_training(config, run_dir, place, plugins, resume_from=step_dir(run_dir, 2))
+
+
+@pytest.mark.distributed
+def test_a_worker_loads_the_launchers_choice_even_when_a_newer_checkpoint_exists(tmp_path):
+    from tests.conftest import run_ranks
+
+    summary = run_ranks(_resume_from_the_older, 1, str(tmp_path))[0]
+    assert (summary["resumed_from"], summary["steps"]) == (2, 4)
+
+
+def test_each_start_of_the_workers_gets_the_launchers_choice_for_it(tmp_path, monkeypatch):
+    """The first start takes the command's choice; each restart, the one decided then."""
+    from pathlib import Path
+
+    from europa.core.launch.resume import RESUME_FROM, ResumeChoice, resume_from_environment
+
+    monkeypatch.delenv(RESUME_FROM, raising=False)
+    later = iter([tmp_path / "step-00000004", None])
+    choice = ResumeChoice(tmp_path / "step-00000002", lambda: next(later))
+    seen = []
+    for _ in range(3):
+        choice.publish()
+        seen.append(resume_from_environment())
+    assert seen == [tmp_path / "step-00000002", tmp_path / "step-00000004", None]
+    assert resume_from_environment({RESUME_FROM: ""}) is None
+    assert isinstance(seen[0], Path)
+
+
+def test_a_restart_continues_from_the_newest_checkpoint_or_starts_over(tmp_path):
+    from europa.core.checkpoint.store import step_dir
+    from europa.core.launch.resume import checkpoint_at_restart
+
+    new_run = checkpoint_at_restart(tmp_path, 10, requested=False, from_older=False)
+    assert new_run is None  # restarted before its first checkpoint: starts over
+    for step in (2, 4):
+        step_dir(tmp_path, step).mkdir(parents=True)
+        (step_dir(tmp_path, step) / "europa-checkpoint.json").write_text("{}")
+        (step_dir(tmp_path, step) / ".metadata").write_bytes(b"")  # unchecked: no record
+    (tmp_path / "checkpoints" / ".step-00000006.partial").mkdir()  # the failed group's save
+    chosen = checkpoint_at_restart(tmp_path, 10, requested=False, from_older=False)
+    assert chosen == step_dir(tmp_path, 4)
+    assert not (tmp_path / "checkpoints" / ".step-00000006.partial").exists()

@@ -45,7 +45,7 @@ def held_after_one_step(rank: int, world: int, root: str, runs: list[Run]) -> li
         device, mesh = init_distributed(config.parallel, place)
         job = Job(config=config, run_dir=root, rank=rank, world_size=world, local_rank=rank,
                   device=device, mesh=mesh)  # fmt: skip
-        trainer = Trainer(job, plugins, resume=False)
+        trainer = Trainer(job, plugins)
         trainer._forward_backward(0)
         trainer._clip()
         trainer.optimizer.step()

@@ -238,6 +238,7 @@ def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capf
     from europa.core.errors import LaunchedRunError
     from europa.core.launch.launcher import launch_local_workers
     from europa.core.launch.prepare import prepare_run_dir
+    from europa.core.launch.resume import ResumeChoice
 
     run_dir = tmp_path / "run"
     prepare_run_dir(load_config("tiny"), run_dir, resume=False)
@@ -245,6 +246,6 @@ def test_an_error_inside_the_workers_is_reported_once_in_one_line(tmp_path, capf
     config = run_dir / "config.toml"
     config.write_text(config.read_text().replace("steps = 200\n", "step = 3\n"))
     with pytest.raises(LaunchedRunError) as err:
-        launch_local_workers(2, run_dir, resume=False)
+        launch_local_workers(2, run_dir, ResumeChoice(None, lambda: None))
     assert str(err.value) == "training.step = 3: unknown key; did you mean training.steps?"
     assert "training.step = 3" not in capfd.readouterr().err  # the workers printed nothing

@@ -66,7 +66,8 @@ def resume_runs(rank: int, world: int, root: str, runs: list[Resume]) -> dict[st
         )
         job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world,
                   local_rank=rank, device=device, mesh=mesh)  # fmt: skip
-        trainer = Trainer(job, plugins, resume=True)
+        first = sorted((run_dir / "checkpoints").glob("step-*"))[0]
+        trainer = Trainer(job, plugins, first)
         trainer.restore()
         weights = _whole_weights(trainer)
         trainer.run()

@@ -129,10 +129,11 @@ def _check_shard_files(file: Path, metadata: Metadata) -> None:
 
 
 class RestrictedFileSystemReader(FileSystemReader):
-    """DCP's file system reader with ``read_metadata`` through ``read_metadata`` above,
-    checking each piece it reads against ``pieces`` ((file name, offset) -> piece) when
-    the checkpoint recorded them. Per-rank metadata files (``__N.metadata``, never
-    written by europa) are refused."""
+    """DCP's file system reader with ``read_metadata`` through ``read_metadata`` above
+    (or ``checked``, the metadata its caller already read that way), checking each piece
+    it reads against ``pieces`` ((file name, offset) -> piece) when the checkpoint
+    recorded them. Per-rank metadata files (``__N.metadata``, never written by europa)
+    are refused."""
 
     def __init__(
         self,
@@ -140,10 +141,12 @@ class RestrictedFileSystemReader(FileSystemReader):
         *,
         metadata: FileRecord | None = None,
         pieces: dict[tuple[str, int], Piece] | None = None,
+        checked: Metadata | None = None,
     ) -> None:
         super().__init__(path)
         self.saved_metadata = metadata
         self.pieces = pieces
+        self.checked = checked
 
     def _slice_file(self, file: Any, sinfo: Any) -> Any:
         if self.pieces is None:  # a checkpoint from before checksums
@@ -167,7 +170,7 @@ class RestrictedFileSystemReader(FileSystemReader):
                 f"checkpoint {str(self.path)!r}: per-rank metadata is not read; expected "
                 f"a {METADATA_FILE} file"
             )
-        metadata = read_metadata(Path(self.path), self.saved_metadata)
+        metadata = self.checked or read_metadata(Path(self.path), self.saved_metadata)
         if metadata.storage_meta is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -218,15 +221,17 @@ def load_restricted(
     *,
     metadata: FileRecord | None = None,
     pieces: dict[tuple[str, int], Piece] | None = None,
+    checked: Metadata | None = None,
     **kwargs: Any,
 ) -> None:
     """``dcp.load`` of ``checkpoint`` into ``state`` through the restricted reader and
     planner above, checking what it reads against the saved ``metadata`` record and
-    ``pieces`` (``kwargs``: the rest of ``dcp.load``'s, e.g. ``no_dist``)."""
+    ``pieces``; ``checked``: its metadata, already read through ``read_metadata``
+    (``kwargs``: the rest of ``dcp.load``'s, e.g. ``no_dist``)."""
     dcp.load(
         state,
         storage_reader=RestrictedFileSystemReader(
-            str(checkpoint), metadata=metadata, pieces=pieces
+            str(checkpoint), metadata=metadata, pieces=pieces, checked=checked
         ),
         planner=WeightsOnlyLoadPlanner(),
         **kwargs,

@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -157,28 +158,25 @@ def _newest_intact(
     )
 
 
-def agreed_checkpoint_to_resume(
-    run_dir: Path,
-    total_steps: int,
-    *,
-    from_older: bool = False,
-    damaged: dict[Path, str] | None = None,
-) -> tuple[int, Path]:
-    """``checkpoint_to_resume`` decided on rank 0 (which also clears leftover partial
-    saves) and shared, so every rank loads the same checkpoint or raises the same error."""
-    outcome: tuple[int, Path] | Exception | None = None
+def decided_on_rank_0(decide: Callable[[], T]) -> T:
+    """``decide()`` on rank 0, shared: every rank gets the same answer or raises the same
+    error (a checkpoint or config error; anything else is raised on rank 0 alone)."""
+    outcome: T | Exception | None = None
     if _is_main():
         try:
-            outcome = checkpoint_to_resume(
-                run_dir, total_steps, from_older=from_older, damaged=damaged
-            )
-            clear_partials(run_dir)
+            outcome = decide()
         except (CheckpointError, ConfigError) as err:
             outcome = err
     outcome = _from_main(outcome)
     if isinstance(outcome, Exception):
         raise outcome
     return outcome
+
+
+def rank_0s_choice(chosen: Path | None) -> Path | None:
+    """Rank 0's ``chosen`` checkpoint (None: a fresh start) on every rank: the launcher's
+    choice reaches rank 0 under every launcher (under torchrun, rank 0 alone decides)."""
+    return _from_main(chosen)
 
 
 def clear_partials(run_dir: Path) -> None:
@@ -427,11 +425,13 @@ def load_checkpoint(path: Path, state: Stateful, trainer_state: dict[str, Any]) 
     """Load into the live (sharded) model and optimizer; returns the trainer state."""
     template = state.state_dict()
     loaded = {**template, TRAINER: dict(trainer_state)}
-    metadata, pieces = saved_checks(path)
-    read_metadata(path, metadata)  # refused here, in one line, before DCP sees it
+    record, pieces = saved_checks(path)
+    metadata = read_metadata(path, record)  # refused here, in one line, before DCP sees it
     try:
         with _quiet_when_alone():
-            load_restricted(loaded, path, metadata=metadata, pieces=pieces, no_dist=_alone())
+            load_restricted(
+                loaded, path, metadata=record, pieces=pieces, checked=metadata, no_dist=_alone()
+            )
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         if is_user_error(root_exception(err)):  # e.g. a stored value refused as unsafe
             raise root_exception(err) from None

@@ -43,7 +43,14 @@ from europa.core.launch.lock import RunDirLock
 from europa.core.launch.nodes import Nodes
 from europa.core.launch.orphan import announce_launcher
 from europa.core.launch.prepare import check_run_dir, prepare_run_dir
-from europa.core.launch.restart import is_restart, resumes
+from europa.core.launch.resume import (
+    RENDEZVOUS_BACKEND,
+    RESUME_FROM,
+    ResumeChoice,
+    checkpoint_at_restart,
+    is_restart,
+    resumes,
+)
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
@@ -141,7 +148,7 @@ def train(
         if resume:
             point = checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
         preflight(config, plugins, world, point, None, local_ranks=per_node)
-        _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes)
+        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
         return run_dir
     # First, before anything is read or written there: no other training uses it.
     with RunDirLock.hold(run_dir) as lock:
@@ -150,20 +157,28 @@ def train(
             point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
             preflight(config, plugins, world, point, run_dir, local_ranks=per_node)
         prepare_run_dir(config, run_dir, resume=resume, checked=True)
-        _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes)
+        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
     return run_dir
 
 
-def _train_here(config, plugins, run_dir, resume, from_older, per_node, world, nodes) -> None:
-    """This process trains (one rank, no restarts), or starts this node's workers."""
+def _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes):
+    """This process trains (one rank, no restarts), or starts this node's workers;
+    ``point``: the checkpoint (step, path) this command chose to continue from."""
+    chosen = None if point is None else point[1]
     if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
 
         place = ProcessPlace(0, 1, 0, "single")
-        run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
+        run_training(config, run_dir, place, plugins, resume_from=chosen, from_older=from_older)
     else:
+
+        def at_restart() -> Path | None:
+            steps = config.training.steps
+            return checkpoint_at_restart(run_dir, steps, requested=resume, from_older=from_older)
+
+        choice = ResumeChoice(chosen, at_restart)
         try:
-            launch_local_workers(per_node, run_dir, resume, nodes, from_older=from_older)
+            launch_local_workers(per_node, run_dir, choice, nodes, from_older=from_older)
         except RendezvousTimedOut:
             if nodes.prepares_run_dir and not resume:  # nothing ran: the same command may retry
                 (run_dir / CONFIG_FILE).unlink(missing_ok=True)
@@ -239,12 +254,17 @@ def _run_as_rank(config, plugins, place, run_dir, resume, from_older) -> Path:
     check_node_numbering(place, per_node)
     if run_dir is None:
         run_dir = default_run_dir(config)
-    resume = resumes(run_dir, resume)
     lock = RunDirLock.hold(run_dir) if place.rank == 0 else None  # rank 0 speaks for the job
     try:
-        if place.rank == 0 and (resume or not is_restart()):  # a fresh restart reuses its files
-            prepare_run_dir(config, run_dir, resume=resume, from_older=from_older)
-        run_training(config, run_dir, place, plugins, resume=resume, from_older=from_older)
+        chosen = None  # rank 0 decides for its group; run_training shares its choice
+        if place.rank == 0:
+            restarted = is_restart()
+            resume = resumes(run_dir, resume, restarted)
+            if resume or not restarted:  # a fresh restart reuses its files
+                point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+                prepare_run_dir(config, run_dir, resume=resume, checked=True)
+                chosen = None if point is None else point[1]
+        run_training(config, run_dir, place, plugins, resume_from=chosen, from_older=from_older)
     finally:
         if lock is not None:
             lock.release()
@@ -258,13 +278,14 @@ def _threads_per_worker(nproc: int) -> int:
 def launch_local_workers(
     nproc: int,
     run_dir: Path,
-    resume: bool,
+    choice: ResumeChoice,
     nodes: Nodes | None = None,
     *,
     from_older: bool = False,
 ) -> None:
     """N worker processes on this machine via torch.distributed's elastic launcher,
-    joined with the other nodes' workers when ``nodes`` has several.
+    joined with the other nodes' workers when ``nodes`` has several. ``choice``: the
+    checkpoint each start of the workers continues from.
 
     A stop signal to this process (SIGTERM, SIGUSR1, Ctrl-C, ...) is passed on to the
     workers, which finish their step and checkpoint (see ``train.stop``); a second Ctrl-C
@@ -284,15 +305,15 @@ def launch_local_workers(
         max_nodes=nodes.count,
         nproc_per_node=nproc,
         run_id=nodes.run_id(run_dir),
-        rdzv_backend="c10d",
+        rdzv_backend=RENDEZVOUS_BACKEND,
         rdzv_endpoint=nodes.endpoint or f"127.0.0.1:{free_port()}",
-        rdzv_configs=nodes.rdzv_configs(),
+        rdzv_configs=choice.rendezvous_configs(nodes.rdzv_configs()),
         max_restarts=nodes.max_restarts,
         monitor_interval=0.1,
         signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # SIGINT: ForwardedInterrupts
         shutdown_timeout=STOP_GRACE_SECONDS,
     )
-    args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)] + (["--resume"] if resume else [])
+    args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)]
     args += ["--resume-from-older"] if from_older else []
     # Reports from an earlier attempt in this run directory must not be taken for this one's.
     shutil.rmtree(run_dir / WORKER_ERRORS, ignore_errors=True)
@@ -328,6 +349,8 @@ def launch_local_workers(
                 f"(run directory {str(run_dir)!r})",
                 128 + int(err.sigval),
             ) from None
+    finally:
+        os.environ.pop(RESUME_FROM, None)  # the choice was for these workers only
 
 
 def _stopped_cleanly(run_dir: Path) -> bool:

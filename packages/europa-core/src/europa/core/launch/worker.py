@@ -1,5 +1,6 @@
 """One local worker started by ``launch_local_workers``: reads the resolved config
-from the run directory and trains as the rank torch's launcher assigned."""
+from the run directory and trains as the rank torch's launcher assigned, from the
+checkpoint the launcher chose for this start of the workers (``launch.resume``)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ from europa.core.run_dir import worker_error_file
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="europa-worker")
     parser.add_argument("--run-dir", required=True, type=Path)
-    parser.add_argument("--resume", action="store_true")
     parser.add_argument("--resume-from-older", action="store_true")
     args = parser.parse_args(argv)
     exit_with_launcher()
@@ -26,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
 
         RankProgress(args.run_dir, rank).mark("starting")  # the pid, for the launcher
         from europa.core.launch.distributed import detect_launcher
-        from europa.core.launch.restart import resumes
+        from europa.core.launch.resume import resume_from_environment
         from europa.core.session import load_run_config
         from europa.core.train.loop import run_training
 
@@ -39,9 +39,13 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-        resume = resumes(args.run_dir, args.resume)  # also after an elastic restart
         run_training(
-            config, args.run_dir, place, plugins, resume=resume, from_older=args.resume_from_older
+            config,
+            args.run_dir,
+            place,
+            plugins,
+            resume_from=resume_from_environment(),
+            from_older=args.resume_from_older,
         )
     except WorkerFailed as err:  # lost contact with a rank that died: the launcher names it
         print(f"europa: error (worker): {err}", file=sys.stderr)

@@ -84,14 +84,18 @@ class Trainer:
         self,
         job: Job,
         plugins: EuropaPluginManager,
-        resume: bool,
+        resume_from: Path | None = None,
         *,
         from_older: bool = False,
         progress: RankProgress | None = None,
     ) -> None:
+        """``resume_from``: the checkpoint the launcher chose to continue from (None: a
+        fresh start); ``from_older``: when loading finds it damaged, continue from the
+        newest intact older one."""
         self.job = job
         self.plugins = plugins
-        self.resume = resume
+        self.resume_from = resume_from
+        self.resume = resume_from is not None
         self.from_older = from_older
         self.progress = progress or RankProgress(job.run_dir, job.rank)
         cfg = job.config
@@ -156,14 +160,12 @@ class Trainer:
         }
 
     def restore(self) -> int:
-        damaged: dict[Path, str] = {}  # what loading found (a flipped bit), by checkpoint
+        """Load the launcher's choice. Only a damaged piece that loading finds (a flipped
+        bit, which no check before reading sees) makes rank 0 choose again: an older
+        intact checkpoint with ``from_older``, else the error naming the damage."""
+        path = self.resume_from
+        damaged: dict[Path, str] = {}  # what loading found, by checkpoint
         while True:
-            _, path = checkpoint.agreed_checkpoint_to_resume(
-                self.job.run_dir,
-                self.job.config.training.steps,
-                from_older=self.from_older,
-                damaged=damaged,
-            )
             check_global_batch(path, self.job.config.training, self.job.world_size)
             try:
                 state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
@@ -171,8 +173,20 @@ class Trainer:
             except DamagedCheckpoint as err:  # on every rank: DCP gathers read failures
                 damaged[path] = f"its file {Path(err.file).name}: {err.problem}"
                 if self.job.is_main and self.from_older:
-                    print(f"europa: {path.name} is damaged ({damaged[path]}); looking for "
-                          "an older intact checkpoint", file=sys.stderr, flush=True)  # fmt: skip
+                    print(
+                        f"europa: {path.name} is damaged ({damaged[path]}); looking for "
+                        "an older intact checkpoint",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                _, path = checkpoint.decided_on_rank_0(
+                    lambda: checkpoint.checkpoint_to_resume(
+                        self.job.run_dir,
+                        self.job.config.training.steps,
+                        from_older=self.from_older,
+                        damaged=damaged,
+                    )
+                )
         self.scheduler.load_state_dict(state["scheduler"])
         self.skipped.count = int(state["skipped_steps"])
         return int(state["step"])
@@ -373,14 +387,16 @@ def run_training(
     place: ProcessPlace,
     plugins: EuropaPluginManager,
     *,
-    resume: bool = False,
+    resume_from: Path | None = None,
     from_older: bool = False,
 ) -> dict[str, Any]:
-    """Everything one process does in ``europa train``."""
+    """Everything one process does in ``europa train``; ``resume_from``: the checkpoint
+    the launcher chose (rank 0's counts; see ``launch.resume``)."""
     use_deterministic_algorithms(config.training.deterministic)
     device, mesh = init_distributed(config.parallel, place)
     job, error = None, None
     try:
+        resume_from = checkpoint.rank_0s_choice(resume_from)
         job = Job(
             config=config,
             run_dir=run_dir,
@@ -398,7 +414,10 @@ def run_training(
             # knows only bf16/fp16 and warns on every forward. The gate runs in fp32.
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             with reporting_faults(run_dir, place.rank) as progress:
-                return Trainer(job, plugins, resume, from_older=from_older, progress=progress).run()
+                trainer = Trainer(
+                    job, plugins, resume_from, from_older=from_older, progress=progress
+                )
+                return trainer.run()
     except BaseException as err:
         error = err
         raise
