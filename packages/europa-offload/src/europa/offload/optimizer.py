@@ -34,6 +34,7 @@ import torch
 
 from europa.offload.errors import OffloadError
 from europa.offload.pool import on_accelerator
+from europa.spec.muon import closure_loss
 from europa.spec.tags import mark_memory
 
 
@@ -57,10 +58,7 @@ class OffloadedOptimizer:
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         chunks = list(self._chunks(params))
         on_device = [p.device for p in params if on_accelerator(p.device)]

@@ -25,7 +25,8 @@ the output head, norms, router gates and biases stay on AdamW, as Muon's authors
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch.optim.adamw import adamw
@@ -63,21 +64,27 @@ def adamw_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
     }
 
 
+def adamw_hyperparameters(
+    *, lr: float, betas: tuple[float, float], eps: float, weight_decay: float
+) -> tuple[float, tuple[float, float], float, float]:
+    """(lr, betas, eps, weight_decay): the keywords every form of the AdamW update takes,
+    each required."""
+    return lr, betas, eps, weight_decay
+
+
+def adamw_keywords(group: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer group's AdamW hyperparameters, as the update's keywords."""
+    return {key: group[key] for key in ("lr", "betas", "eps", "weight_decay")}
+
+
 @torch.no_grad()
-def adamw_update(
-    params: list[torch.Tensor],
-    states: list[dict[str, torch.Tensor]],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-) -> None:
+def adamw_update(params: list[torch.Tensor], states: list[dict[str, torch.Tensor]], **hyper):
     """torch's fused AdamW kernel on ``params`` (each with its ``.grad``) and their states:
-    the update of ``torch.optim.AdamW``, one kernel per tensor."""
+    the update of ``torch.optim.AdamW``, one kernel per tensor. ``hyper``: ``lr``,
+    ``betas``, ``eps`` and ``weight_decay`` (``adamw_hyperparameters``)."""
+    lr, (beta1, beta2), eps, weight_decay = adamw_hyperparameters(**hyper)
     if not params:
         return
-    beta1, beta2 = betas
     adamw(
         params,
         [p.grad for p in params],
@@ -115,42 +122,25 @@ def takes_fused_adamw(param: torch.Tensor) -> bool:
 
 @torch.no_grad()
 def adamw_update_any_split(
-    params: list[torch.Tensor],
-    states: list[dict[str, torch.Tensor]],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
+    params: list[torch.Tensor], states: list[dict[str, torch.Tensor]], **hyper
 ) -> None:
     """AdamW whose every element has the same bits however its stack is cut between
-    matrices: the fused kernel where ``takes_fused_adamw``, else the elementwise form."""
+    matrices: the fused kernel where ``takes_fused_adamw``, else the elementwise form.
+    ``hyper``: as ``adamw_update``'s."""
     fused = [takes_fused_adamw(p) for p in params]
     for update, wanted in ((adamw_update, True), (adamw_update_exact, False)):
         chosen = [i for i, f in enumerate(fused) if f is wanted]
-        update(
-            [params[i] for i in chosen],
-            [states[i] for i in chosen],
-            lr=lr,
-            betas=betas,
-            eps=eps,
-            weight_decay=weight_decay,
-        )
+        update([params[i] for i in chosen], [states[i] for i in chosen], **hyper)
 
 
 @torch.no_grad()
 def adamw_update_exact(
-    params: list[torch.Tensor],
-    states: list[dict[str, torch.Tensor]],
-    *,
-    lr: float,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
+    params: list[torch.Tensor], states: list[dict[str, torch.Tensor]], **hyper
 ) -> None:
     """The same update as ``adamw_update``, elementwise: each element's result does not
-    depend on how its tensor is split (see the module's note)."""
-    beta1, beta2 = betas
+    depend on how its tensor is split (see the module's note). ``hyper``: as
+    ``adamw_update``'s."""
+    lr, (beta1, beta2), eps, weight_decay = adamw_hyperparameters(**hyper)
     for param, state in zip(params, states, strict=True):
         state["step"] += 1
         step = state["step"].item()
@@ -161,13 +151,59 @@ def adamw_update_exact(
         param.addcdiv_(state["exp_avg"], denom, value=-lr / (1 - beta1**step))
 
 
+def muon_adamw_defaults(
+    *,
+    lr: float,
+    weight_decay: float = 0.1,
+    momentum: float = 0.95,
+    ns_steps: int = 5,
+    betas: tuple[float, float] = (0.9, 0.95),
+    eps: float = 1e-8,
+) -> dict[str, Any]:
+    """The hyperparameters every Muon/AdamW optimizer takes (each group's defaults):
+    ``lr``, decoupled ``weight_decay``, Muon's Nesterov ``momentum`` and Newton–Schulz
+    ``ns_steps``, AdamW's ``betas`` and ``eps``."""
+    return dict(
+        lr=lr, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, betas=betas, eps=eps
+    )
+
+
+def nesterov_momentum(param: torch.Tensor, buffer: torch.Tensor, momentum: float) -> torch.Tensor:
+    """Fold ``param.grad`` into its momentum ``buffer``; the Nesterov direction to
+    orthogonalise."""
+    buffer.lerp_(param.grad, 1 - momentum)
+    return param.grad.lerp(buffer, momentum)
+
+
+def apply_muon_update(param: torch.Tensor, update: torch.Tensor, group: dict[str, Any]) -> None:
+    """Decoupled weight decay, then the orthogonalised ``update`` at the group's ``lr``,
+    scaled by ``rms_matching_scale`` of the parameter's matrices."""
+    param.mul_(1 - group["lr"] * group["weight_decay"])
+    param.add_(update, alpha=-group["lr"] * rms_matching_scale(param.shape))
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What ``torch.optim.Optimizer.step(closure)`` does first: the loss ``closure``
+    returns, with gradients on (None without a closure)."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 __all__ = [
     "FUSED_WHOLE_VECTORS",
     "NS_COEFFICIENTS",
+    "adamw_hyperparameters",
+    "adamw_keywords",
     "adamw_state",
     "adamw_update",
     "adamw_update_any_split",
     "adamw_update_exact",
+    "apply_muon_update",
+    "closure_loss",
+    "muon_adamw_defaults",
+    "nesterov_momentum",
     "orthogonalise",
     "rms_matching_scale",
     "takes_fused_adamw",

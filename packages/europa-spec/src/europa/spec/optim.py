@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 # Parts of a parameter's name that keep it on AdamW however many dimensions it has.
 ADAMW_ONLY_PARTS = ("embed", "lm_head", "norm", "router", "expert_bias")
@@ -38,11 +39,25 @@ def optimizer_state_bytes(muon_elements: int, adamw_elements: int, adamw_tensors
     )
 
 
+def muon_adamw_keywords(optimizer: Any) -> dict[str, Any]:
+    """A config's ``[optimizer]`` table as the keywords of every Muon/AdamW optimizer
+    (``europa.spec.muon.muon_adamw_defaults``): core's and each layout's build them alike."""
+    return {
+        "lr": optimizer.lr,
+        "weight_decay": optimizer.weight_decay,
+        "momentum": optimizer.muon_momentum,
+        "ns_steps": optimizer.muon_ns_steps,
+        "betas": (optimizer.beta1, optimizer.beta2),
+        "eps": optimizer.eps,
+    }
+
+
 __all__ = [
     "ADAMW_ONLY_PARTS",
     "FP32",
     "STATE_TENSORS",
     "STEP_COUNTER_BYTES",
+    "muon_adamw_keywords",
     "optimizer_state_bytes",
     "uses_muon",
 ]

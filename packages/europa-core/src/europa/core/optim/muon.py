@@ -23,11 +23,21 @@ arXiv:2502.16982).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from europa.spec.muon import adamw_state, adamw_update, orthogonalise, rms_matching_scale
+from europa.spec.muon import (
+    adamw_keywords,
+    adamw_state,
+    adamw_update,
+    apply_muon_update,
+    closure_loss,
+    muon_adamw_defaults,
+    nesterov_momentum,
+    orthogonalise,
+)
 
 __all__ = ["MuonWithAdamW", "orthogonalise"]
 
@@ -54,38 +64,24 @@ def _orthogonalised_update(update: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
+    """``hyperparameters``: ``lr`` and the rest of ``europa.spec.muon.muon_adamw_defaults``."""
+
     def __init__(
         self,
         muon_params: Iterable[torch.Tensor],
         adamw_params: Iterable[torch.Tensor],
-        *,
-        lr: float,
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        ns_steps: int = 5,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
+        **hyperparameters: Any,
     ) -> None:
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            ns_steps=ns_steps,
-            betas=betas,
-            eps=eps,
-        )
         groups = [
             {"params": list(muon_params), "use_muon": True},
             {"params": list(adamw_params), "use_muon": False},
         ]
+        defaults = muon_adamw_defaults(**hyperparameters)
         super().__init__([g for g in groups if g["params"]], defaults)
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             stepped = [p for p in group["params"] if p.grad is not None]
             if group["use_muon"]:
@@ -99,23 +95,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         state = self.state[param]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(param)
-        buf = state["momentum_buffer"]
-        buf.lerp_(param.grad, 1 - group["momentum"])
-        nesterov = param.grad.lerp(buf, group["momentum"])
-        update = _orthogonalised_update(nesterov, group["ns_steps"])
-        param.mul_(1 - group["lr"] * group["weight_decay"])
-        param.add_(update, alpha=-group["lr"] * rms_matching_scale(param.shape))
+        nesterov = nesterov_momentum(param, state["momentum_buffer"], group["momentum"])
+        apply_muon_update(param, _orthogonalised_update(nesterov, group["ns_steps"]), group)
 
     def _adamw_update(self, params: list[torch.Tensor], group: dict) -> None:
         """torch's fused AdamW kernel on the whole group (``europa.spec.muon``)."""
         for param in params:
             if "step" not in self.state[param]:
                 self.state[param].update(adamw_state(param))
-        adamw_update(
-            params,
-            [self.state[p] for p in params],
-            lr=group["lr"],
-            betas=group["betas"],
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-        )
+        adamw_update(params, [self.state[p] for p in params], **adamw_keywords(group))

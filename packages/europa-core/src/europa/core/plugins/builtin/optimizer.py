@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from europa.spec.hookspecs import hookimpl
-from europa.spec.optim import uses_muon
+from europa.spec.optim import muon_adamw_keywords, uses_muon
 
 if TYPE_CHECKING:
     import torch
@@ -48,10 +48,5 @@ def europa_build_optimizer(job: RunningJob, model: torch.nn.Module) -> torch.opt
     return MuonWithAdamW(
         muon_params=[p for n, p in named if uses_muon(n, p.shape)],
         adamw_params=[p for n, p in named if not uses_muon(n, p.shape)],
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        momentum=cfg.muon_momentum,
-        ns_steps=cfg.muon_ns_steps,
-        betas=(cfg.beta1, cfg.beta2),
-        eps=cfg.eps,
+        **muon_adamw_keywords(cfg),
     )
