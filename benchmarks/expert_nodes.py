@@ -25,8 +25,8 @@ configuration, over the steps after the warm-up one:
   share of the step;
 * bytes per rank per step by link (inter-node, intra-node) and kind (rows, counts),
   counted in one step by wrapping ``all_to_all_single`` (``_links``); the same bytes
-  computed from that step's own routing (``europa.flexshard.traffic``); and what
-  ``europa plan`` predicts for uniform routing (the plugin's ``planned_exchange``);
+  computed from that step's own routing (``europa.flexshard.exchange.traffic``); and what
+  ``europa plan`` predicts for uniform routing (``europa.flexshard.planner.planned_exchange``);
 * the losses.
 
 Then torchtitan 0.3.0's Trainer (``_torchtitan_cpu``) with ``expert_parallel_degree=4``
@@ -201,7 +201,7 @@ def _trainer(args, overrides: list[str], run_dir: Path):
 
 def _planned(trainer) -> dict[str, int]:
     from europa.flexshard.experts import routed_expert_modules
-    from europa.flexshard.plugin import planned_exchange
+    from europa.flexshard.planner import planned_exchange
 
     layers = len(routed_expert_modules(trainer.model))
     return planned_exchange(trainer.job, layers)["bytes_per_step_by_link"]
@@ -368,8 +368,8 @@ def _mean_bytes(per_rank: list[dict]) -> dict[str, dict[str, float]]:
 def _from_routing(ranks: list[dict], name: str, keep: bool, shape: str) -> list[dict]:
     """Bytes each rank sent in the counted step, from that step's routing on every rank."""
     from europa.core.config import load_config
-    from europa.flexshard.traffic import routed_bytes
-    from europa.flexshard.wire import RowBytes, Wire
+    from europa.flexshard.exchange.traffic import routed_bytes
+    from europa.flexshard.exchange.wire import RowBytes, Wire
 
     config = load_config("debug", SHAPES[shape])
     dispatch = "flat" if name == "flat" else "two_level"

@@ -137,5 +137,5 @@ def test_the_graph_sees_the_imports_it_checks():
     """The reader itself: it finds a known lazy import and a known module-level one."""
     graph = _graph()
     assert "europa.spec.hookspecs" in graph["europa.flexshard.plugin"]
-    assert "europa.flexshard.layout" in graph["europa.flexshard.plugin"]  # inside a function
+    assert "europa.flexshard.builder" in graph["europa.flexshard.plugin"]  # inside a function
     assert "europa.core.errors" in graph["europa.core.job"]

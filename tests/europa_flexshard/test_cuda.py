@@ -85,8 +85,9 @@ def one_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=0, world_size=1)  # fmt: skip
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1
+    )
     yield
     dist.destroy_process_group()
 
@@ -94,9 +95,9 @@ def one_rank():
 def _two_level_step(device: torch.device, wire: str) -> dict:
     """One layer through the two-level exchange (one node of one rank: the sort, regroup,
     per-node sum and payload codec all run, the collectives are local copies)."""
-    from europa.flexshard.nodes import expert_node_groups
-    from europa.flexshard.two_level import TwoLevelDispatcher
-    from europa.flexshard.wire import Wire
+    from europa.flexshard.exchange.nodes import expert_node_groups
+    from europa.flexshard.exchange.two_level import TwoLevelDispatcher
+    from europa.flexshard.exchange.wire import Wire
 
     experts, top_k, dim, tokens = 8, 3, 256, 64
     g = torch.Generator().manual_seed(0)
@@ -109,8 +110,9 @@ def _two_level_step(device: torch.device, wire: str) -> dict:
     dispatcher = TwoLevelDispatcher(None, 0, [(0, experts)], top_k, nodes=nodes, wire=Wire(wire))
     rows, counts, routed = dispatcher.dispatch(x, scores, ids.to(device), None)
     pieces = rows.split(counts.tolist())
-    out = dispatcher.combine(torch.cat([p @ w for p, w in zip(pieces, weights, strict=True)]),
-                             routed, x)  # fmt: skip
+    out = dispatcher.combine(
+        torch.cat([p @ w for p, w in zip(pieces, weights, strict=True)]), routed, x
+    )
     out.square().sum().backward()
     return {"out": out, "x": x.grad, "scores": scores.grad, "weights": weights.grad}
 
@@ -119,5 +121,6 @@ def _two_level_step(device: torch.device, wire: str) -> dict:
 def test_the_two_level_exchange_computes_on_cuda_as_on_cpu(one_rank, wire):
     on_cpu, on_cuda = _two_level_step(torch.device("cpu"), wire), _two_level_step(CUDA, wire)
     for key, expected in on_cpu.items():
-        torch.testing.assert_close(on_cuda[key].cpu(), expected.detach(), rtol=2e-3, atol=2e-3,
-                                   msg=key)  # fmt: skip
+        torch.testing.assert_close(
+            on_cuda[key].cpu(), expected.detach(), rtol=2e-3, atol=2e-3, msg=key
+        )

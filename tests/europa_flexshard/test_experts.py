@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from europa.cli.app import run
 from europa.core.config import load_config
 from europa.flexshard import ParameterSpec, plan_ownership
-from europa.flexshard.traffic import routed_bytes
-from europa.flexshard.wire import RowBytes, Wire
+from europa.flexshard.exchange.traffic import routed_bytes
+from europa.flexshard.exchange.wire import RowBytes, Wire
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, rank_trainer, train_runs
 
@@ -78,17 +78,18 @@ def _per_node(kind: str, world: int) -> int:
 
 
 def _dispatchers(rank: int, world: int):
-    from europa.flexshard.flat import FlatDispatcher
-    from europa.flexshard.nodes import expert_node_groups
-    from europa.flexshard.two_level import TwoLevelDispatcher
+    from europa.flexshard.exchange.flat import FlatDispatcher
+    from europa.flexshard.exchange.nodes import expert_node_groups
+    from europa.flexshard.exchange.two_level import TwoLevelDispatcher
 
     def make(kind, ranges, top_k):
         if kind == "flat":
             return FlatDispatcher(None, rank, ranges, top_k)
         return TwoLevelDispatcher(None, rank, ranges, top_k, nodes=nodes[kind])
 
-    nodes = {f"two_level/{n}": expert_node_groups([list(range(world))], n)
-             for n in _node_sizes(world)}  # fmt: skip
+    nodes = {
+        f"two_level/{n}": expert_node_groups([list(range(world))], n) for n in _node_sizes(world)
+    }
     return ["flat", *nodes], make
 
 
@@ -109,11 +110,11 @@ def _routed_rank(rank: int, world: int, cases: list[dict]) -> list[dict]:
 
             with LinkCounter(_per_node(kind, world)) as counter:
                 routed, per_local_expert, exchange = dispatcher.dispatch(x, scores, ids, counts)
-                out = dispatcher.combine(_apply_experts(routed, per_local_expert, local),
-                                         exchange, x)  # fmt: skip
+                out = dispatcher.combine(
+                    _apply_experts(routed, per_local_expert, local), exchange, x
+                )
                 (out * probe).sum().backward()
-            again, _, exchange = dispatcher.dispatch(x.detach(), scores.detach(), ids,
-                                                              counts)  # fmt: skip
+            again, _, exchange = dispatcher.dispatch(x.detach(), scores.detach(), ids, counts)
             identity = dispatcher.combine(again, exchange, x)  # experts that change nothing
             by_kind[kind] = {
                 "identity": identity.detach(),
@@ -187,8 +188,9 @@ def _check(world: int, cases: list[dict]) -> None:
                 )
                 assert got["sent_bytes"] == sent[rank], kind  # counted == the routing's, exactly
                 for key, want in expected.items():
-                    torch.testing.assert_close(got[key], want, rtol=1e-5, atol=1e-5,
-                                               msg=f"{kind} {key}")  # fmt: skip
+                    torch.testing.assert_close(
+                        got[key], want, rtol=1e-5, atol=1e-5, msg=f"{kind} {key}"
+                    )
                     if kind != "flat":  # the two exchanges agree far closer than the reference
                         assert _relative(got[key], result["flat"][key]) <= 1e-6, (kind, key)
 
@@ -285,7 +287,7 @@ def _exchange_calls(trainer) -> tuple[int, int]:
 def _kept_exchange_rank(rank: int, world: int, root: str) -> dict:
     """One step of each exchange with and without kept exchanges (and offload), counted."""
     from europa.core.session import open_session
-    from europa.flexshard.exchange import Keeper
+    from europa.flexshard.exchange.kept import Keeper
 
     kept_bytes = []
     stop = Keeper.stop

@@ -128,8 +128,12 @@ def _sums_in_backward(rank: int, world: int) -> dict:
                 except PlanError as error:
                     refused = str(error)
                     break
-        out[in_backward] = {"grads": grads, "all_reduces": list(calls),
-                            "reduce_scatters": list(scatters), "refused": refused}  # fmt: skip
+        out[in_backward] = {
+            "grads": grads,
+            "all_reduces": list(calls),
+            "reduce_scatters": list(scatters),
+            "refused": refused,
+        }
     return out
 
 

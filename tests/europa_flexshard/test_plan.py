@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from europa.flexshard import ParameterSpec, PlanError, plan_ownership
-from europa.flexshard.plan import newton_schulz_flops
+from europa.flexshard.ownership import newton_schulz_flops
 from europa.flexshard.segments import UnitSegments
 
 dims = st.integers(1, 12)

@@ -142,12 +142,16 @@ def test_once_a_step_sums_overlap_only_the_last_backward_and_the_roots_follows_i
     # Eight micro-batches of an eighth of the sequences: the same sums beside an eighth of
     # the backward, so more of them shows.
     eight = _plan(
-        "kimi-k2", [*common, "training.seq_len=512", "training.grad_accum_steps=8"], plugins,
-        "gh200-jupiter", 1536,
-    )  # fmt: skip
+        "kimi-k2",
+        [*common, "training.seq_len=512", "training.grad_accum_steps=8"],
+        plugins,
+        "gh200-jupiter",
+        1536,
+    )
     backward = eight.with_overlap.compute_s * 0.75 / 8  # full recomputation: 3/4 of it
     sums = sum(
-        s for (kind, _), s in eight.with_overlap.link_s.items()
+        s
+        for (kind, _), s in eight.with_overlap.link_s.items()
         if kind in ("gradient_replica_all_reduce", "expert_gradient_all_reduce")
-    )  # fmt: skip
+    )
     assert eight.with_overlap.exposed_s >= sums - backward - 1e-9

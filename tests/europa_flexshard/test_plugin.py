@@ -13,7 +13,8 @@ from europa.cli.app import run
 from europa.core.model import build_moe_model
 from europa.core.session import open_session
 from europa.flexshard import plugin
-from europa.flexshard.layout import _unit_of_each_parameter, default_units
+from europa.flexshard.builder import _unit_of_each_parameter, default_units
+from europa.spec.plan_layout import unit_of
 from tests.conftest import run_ranks
 from tests.trainer_runs import Run, train_runs
 
@@ -91,7 +92,7 @@ def test_the_plan_hook_lays_out_every_parameter_once_with_no_optimizer_traffic()
 def test_the_plan_hook_and_the_runtime_layout_group_parameters_alike():
     model = build_moe_model(_job().config.model)
     runtime = _unit_of_each_parameter(model, default_units(model))
-    assert {name: plugin.unit_of(name) for name in runtime} == runtime
+    assert {name: unit_of(name) for name in runtime} == runtime
 
 
 def test_the_plugin_module_declares_its_table_with_the_standard_library():

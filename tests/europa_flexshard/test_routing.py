@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from europa.flexshard.nodes import ExpertNodes
-from europa.flexshard.routing import routing_table
-from europa.flexshard.two_level import TwoLevelDispatcher
+from europa.flexshard.exchange.nodes import ExpertNodes
+from europa.flexshard.exchange.routing import routing_table
+from europa.flexshard.exchange.two_level import TwoLevelDispatcher
 from europa.spec.execution import RoutingModel, RoutingModelError
 
 
@@ -41,10 +41,11 @@ def test_every_rank_receives_what_its_senders_send(group, tokens, chunks):
     experts, ep, local, top_k, max_nodes, model = group
     ranges = _ranges(experts, ep)
     dispatchers = [
-        TwoLevelDispatcher(None, rank, ranges, top_k, nodes=ExpertNodes(local), routing=model,
-                           max_nodes=max_nodes)
+        TwoLevelDispatcher(
+            None, rank, ranges, top_k, nodes=ExpertNodes(local), routing=model, max_nodes=max_nodes
+        )
         for rank in range(ep)
-    ]  # fmt: skip
+    ]
     sizes = [tokens * (c + 1) // chunks - tokens * c // chunks for c in range(chunks)]
     nodes = ep // local
     for d in dispatchers:

@@ -12,10 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from europa.flexshard.codec import FP8_MAX, Codec
-from europa.flexshard.flat import chunk_bounds
-from europa.flexshard.traffic import routed_bytes
-from europa.flexshard.wire import (
+from europa.flexshard.exchange.codec import FP8_MAX, Codec
+from europa.flexshard.exchange.flat import chunk_bounds
+from europa.flexshard.exchange.traffic import routed_bytes
+from europa.flexshard.exchange.wire import (
     FP8_BLOCK,
     INTER,
     INTRA,
@@ -170,8 +170,14 @@ def test_the_routings_bytes_average_to_the_uniform_model(dispatch, group):
     per_rank = group.num_experts // group.ep
     ranges = [(r * per_rank, (r + 1) * per_rank) for r in range(group.ep)]
     rows = RowBytes.of(dispatch, Wire("float8_e4m3fn", 4), 64, group.top_k)
-    sent = routed_bytes(_uniform_routing(group, tokens, 0), ranges, group.local, dispatch, rows,
-                        forward_passes=passes)  # fmt: skip
+    sent = routed_bytes(
+        _uniform_routing(group, tokens, 0),
+        ranges,
+        group.local,
+        dispatch,
+        rows,
+        forward_passes=passes,
+    )
     model = expected_bytes_per_token(group, dispatch, rows, forward_passes=passes)
     counts = expected_count_bytes(group, dispatch, calls=passes)
     for link in (INTER, INTRA):

@@ -56,8 +56,8 @@ class MoE(nn.Module):
 
 
 def _dispatcher(kind, rank: int, ranges, top_k: int):
-    from europa.flexshard.flat import FlatDispatcher
-    from europa.flexshard.two_level import TwoLevelDispatcher
+    from europa.flexshard.exchange.flat import FlatDispatcher
+    from europa.flexshard.exchange.two_level import TwoLevelDispatcher
 
     if kind == "flat":
         return FlatDispatcher(None, rank, ranges, top_k)
@@ -117,7 +117,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def compare_rank(rank: int, world: int) -> list[str]:
-    from europa.flexshard.nodes import expert_node_groups
+    from europa.flexshard.exchange.nodes import expert_node_groups
 
     two_nodes = expert_node_groups([list(range(world))], 1)  # a node per rank
     mismatches = []

@@ -309,9 +309,9 @@ def test_host_offload_moves_the_matching_blocks_but_the_last_kept():
 def test_the_dispatchers_and_initialisers_satisfy_the_contracts_they_are_used_through():
     from europa.core.hf.load import HFInitialiser
     from europa.core.model.materialise import MatrixInitialiser
-    from europa.flexshard.flat import FlatDispatcher, FlatRouted
-    from europa.flexshard.nodes import ExpertNodes
-    from europa.flexshard.two_level import TwoLevelDispatcher, TwoLevelRouted
+    from europa.flexshard.exchange.flat import FlatDispatcher, FlatRouted
+    from europa.flexshard.exchange.nodes import ExpertNodes
+    from europa.flexshard.exchange.two_level import TwoLevelDispatcher, TwoLevelRouted
     from europa.spec.dispatch import ChunkedDispatcher, RoutedExchange
     from europa.spec.init import InitMatrix, RegionInitMatrix
 

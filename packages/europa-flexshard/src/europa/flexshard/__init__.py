@@ -18,23 +18,25 @@ Plain API (needs only torch):
 ``europa.flexshard.plugin`` adapts these to europa's hooks (``europa train -p flexshard``).
 """
 
+from europa.spec.lazy import lazy_exports
+
 # The names load on first use (PEP 562), so that importing the plugin module,
 # which every ``europa`` command does, does not import torch.
 _WHERE = {
-    "ExpertNodes": "europa.flexshard.nodes",
+    "ExpertNodes": "europa.flexshard.exchange.nodes",
     "ExpertParallel": "europa.flexshard.experts",
     "FlexShardError": "europa.flexshard.errors",
-    "FlexShardLayout": "europa.flexshard.layout",
+    "FlexShardLayout": "europa.flexshard.whole_matrix_layout",
     "FlexShardOptimizer": "europa.flexshard.optimizer",
     "FlexShardState": "europa.flexshard.state",
-    "OwnershipPlan": "europa.flexshard.plan",
-    "ParameterSpec": "europa.flexshard.plan",
+    "OwnershipPlan": "europa.flexshard.ownership",
+    "ParameterSpec": "europa.flexshard.ownership",
     "PlanError": "europa.flexshard.errors",
-    "default_units": "europa.flexshard.layout",
-    "expert_node_groups": "europa.flexshard.nodes",
-    "flex_shard": "europa.flexshard.layout",
+    "default_units": "europa.flexshard.builder",
+    "expert_node_groups": "europa.flexshard.exchange.nodes",
+    "flex_shard": "europa.flexshard.builder",
     "orthogonalise": "europa.flexshard.optimizer",
-    "plan_ownership": "europa.flexshard.plan",
+    "plan_ownership": "europa.flexshard.ownership",
 }
 
 __all__ = [
@@ -55,11 +57,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
-    if name not in _WHERE:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(_WHERE[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_exports(__name__, _WHERE)

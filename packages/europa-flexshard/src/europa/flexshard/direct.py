@@ -93,8 +93,9 @@ def gather_pieces(
     ranks = rows.size(0)
     peers = [peer for peer in range(ranks) if peer != rank]
     works = [_send(piece.reshape(-1), peer, group, GATHER) for peer in peers for piece in own]
-    works += [_recv(rows[peer, span], peer, group, GATHER) for peer in peers
-              for span in spans[peer]]  # fmt: skip
+    works += [
+        _recv(rows[peer, span], peer, group, GATHER) for peer in peers for span in spans[peer]
+    ]
     work = DirectWork(works)
     if async_op:
         return work

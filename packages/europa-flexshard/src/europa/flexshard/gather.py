@@ -23,9 +23,9 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   copies, or the other nodes' copies of a node-wide layout) the owners' gradients
   are all-reduced over them once per optimizer step, not once per backward: in
   the last micro-batch's backward as soon as the unit's share lands, when the
-  layout knows how many backwards make a step (``sum_replicas_in_backward``), so
+  layout knows how many backwards make a step (``sum_copies_in_backward``), so
   the sum travels beside the rest of that backward; else after it
-  (``reduce_replicas``).
+  (``reduce_replicas``). ``europa.flexshard.once_a_step`` keeps that count.
 
 A group of one (this rank owns every matrix of the unit) computing in its storage's
 dtype: there is nothing to gather or scatter, so the shadows are views of the local
@@ -57,7 +57,6 @@ all-gather and one reduce-scatter per unit is what FSDP2 itself does.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -65,10 +64,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from europa.flexshard.direct import gather_pieces, reduce_scatter_pieces
-from europa.flexshard.errors import PlanError
+from europa.flexshard.once_a_step import REPLICA_SUM_KIND, OnceAStepSum
 from europa.flexshard.segments import UnitSegments
+from europa.flexshard.slots import Groups, Slot
 from europa.spec.autograd import in_backward
-from europa.spec.tags import mark_gathered, mark_memory, mark_traffic
+from europa.spec.tags import mark_gathered, mark_memory
 
 
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
@@ -79,92 +79,6 @@ def all_gather(*args, **kwargs):
 
 def reduce_scatter(*args, **kwargs):
     return dist.reduce_scatter_single(*args, **kwargs)
-
-
-@dataclass
-class Slot:
-    """One parameter under the layout: where it is registered and what this rank holds."""
-
-    name: str
-    module: nn.Module
-    attr: str
-    index: int  # position within its unit
-    start: int  # first matrix this rank owns
-    stop: int
-
-    @property
-    def local(self) -> nn.Parameter:
-        return self.module._parameters[self.attr]
-
-
-REPLICA_SUM_KIND = "gradient_replica_all_reduce"
-EXPERT_COPIES_KIND = "expert_gradient_all_reduce"
-
-
-class AsyncSum:
-    """One all-reduce (a sum) of several tensors flattened together, in ``dtype``
-    (default: their own), issued on construction; ``finish`` waits for it and writes
-    each sum back into its tensor. ``kind``: the planner's kind of this traffic."""
-
-    def __init__(
-        self,
-        tensors: Sequence[torch.Tensor],
-        group,
-        dtype: torch.dtype | None,
-        kind: str = REPLICA_SUM_KIND,
-    ):
-        self.tensors = list(tensors)
-        self.flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in self.tensors])
-        mark_traffic(self.flat, kind)
-        mark_memory(self.flat, "sum_buffers")
-        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
-
-    def finish(self) -> None:
-        self.work.wait()
-        pieces = self.flat.split([t.numel() for t in self.tensors])
-        for tensor, piece in zip(self.tensors, pieces, strict=True):
-            tensor.copy_(piece.view_as(tensor))
-
-
-def sum_over(
-    grads: Sequence[torch.Tensor],
-    group,
-    dtype: torch.dtype | None,
-    kind: str = REPLICA_SUM_KIND,
-) -> None:
-    """Sum ``grads`` in place over ``group`` (see ``AsyncSum``), waiting for it."""
-    AsyncSum(grads, group, dtype, kind).finish()
-
-
-REPLICAS_SUM = "the replicas' sum"
-
-
-def count_backward(counts: dict[int, int], key: int, limit: int, sum_name: str) -> int:
-    """Count one more backward for ``key`` in ``counts`` since the last once-a-step sum,
-    and return it; one beyond ``limit`` (``sum_copies_in_backward``) is refused."""
-    seen = counts.get(key, 0) + 1
-    if seen > limit:
-        raise PlanError(
-            f"sum_copies_in_backward = {limit}: a backward beyond it before {sum_name} was "
-            "finished (finish_gradients)"
-        )
-    counts[key] = seen
-    return seen
-
-
-@dataclass(frozen=True)
-class Groups:
-    """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
-    ``replicate`` (optional) joins the ranks holding the same share in other copies.
-    ``direct``: gathers and reduce-scatters are direct transfers between ranks
-    (``europa.flexshard.direct``), not the backend's collectives."""
-
-    shard: dist.ProcessGroup | None
-    rank: int
-    size: int
-    replicate: dist.ProcessGroup | None = None
-    replicas: int = 1
-    direct: bool = False
 
 
 class GatherUnit:
@@ -186,23 +100,21 @@ class GatherUnit:
         self.reduce_dtype = reduce_dtype
         self.fulls: list[torch.Tensor] | None = None
         self._gathered: list[torch.Tensor] = []  # the fulls freed between uses (_set_fulls)
-        # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
+        # False: the full storage stays from forward to backward (no second gather).
         self.reshard_after_forward = True
         # True: the gradient reduce-scatter is issued asynchronously and waited for at the
         # end of the backward (the rest of the backward runs beside it).
         self.reduce_scatter_async = False
+        # Prefetch (see ``set_prefetch``): the units whose all-gather this one issues.
         self.forward_prefetch: list[GatherUnit] = []
         self.backward_prefetch: list[GatherUnit] = []
         # An all-gather in flight: (rows, this rank's pieces for unpack or None, its work).
         self._pending: tuple[torch.Tensor, tuple | None, dist.Work] | None = None
-        self._replicas_pending = False  # local gradients not yet summed over the replicas
-        # > 0: in that backward since the last replica sum (the last micro-batch's), the sum
-        # over the replicas is issued as soon as this unit's share lands (``_sum_replicas_now``).
-        self.sum_replicas_in_backward = 0
-        # backwards since the replicas' sum: of the unit (gathered), or of each parameter
-        # (whole here: each one's gradient accumulates on its own)
-        self._backwards: dict[int, int] = {}
-        self._replica_sum: AsyncSum | None = None
+        # The owned gradients' sum over the replicas; its backwards are counted per unit
+        # (gathered), or per parameter (whole here: each one's gradient accumulates alone).
+        self.replica_sum = OnceAStepSum(
+            groups.replicate, reduce_dtype, REPLICA_SUM_KIND, "the replicas' sum"
+        )
         self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
@@ -299,10 +211,13 @@ class GatherUnit:
                 torch.zeros(spec.shape, dtype=dtype, device=device) if x is None else x.to(dtype)
                 for x, spec in zip(grads, segments.specs, strict=True)
             ]
-            outgoing = [[] if peer == g.rank else segments.owned_pieces(peer, fulls)
-                        for peer in range(g.size)]  # fmt: skip
-            sums, work = reduce_scatter_pieces(segments.owned_pieces(g.rank, fulls), outgoing,
-                                               g.rank, g.shard, async_op)  # fmt: skip
+            outgoing = [
+                [] if peer == g.rank else segments.owned_pieces(peer, fulls)
+                for peer in range(g.size)
+            ]
+            sums, work = reduce_scatter_pieces(
+                segments.owned_pieces(g.rank, fulls), outgoing, g.rank, g.shard, async_op
+            )
 
             def pieces() -> list[torch.Tensor]:
                 if work is not None:
@@ -318,8 +233,9 @@ class GatherUnit:
         else:
             mine = rows.new_empty(segments.width)
             mark_memory(mine, "gradient_buffers")
-            work = reduce_scatter(mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard,
-                                  async_op=async_op)  # fmt: skip
+            work = reduce_scatter(
+                mine, rows.view(-1), op=dist.ReduceOp.SUM, group=g.shard, async_op=async_op
+            )
 
         def split() -> list[torch.Tensor]:
             if work is not None:
@@ -336,16 +252,17 @@ class GatherUnit:
         rank, segments = self.groups.rank, self.segments
         by_slot = dict(zip(segments.owned_slots(rank), sums, strict=True))
         return [
-            by_slot[slot] if slot in by_slot else
-            torch.empty(segments.local_shape(rank, slot), dtype=dtype, device=device)
+            by_slot[slot]
+            if slot in by_slot
+            else torch.empty(segments.local_shape(rank, slot), dtype=dtype, device=device)
             for slot in range(len(segments.specs))
-        ]  # fmt: skip
+        ]
 
     def _finish_reduce_scatter(self, pending: Callable[[], list[torch.Tensor]]):
         """This rank's averaged shares, once ``pending`` (``_issue_reduce_scatter``) is done."""
         g = self.groups
         shares = pending()
-        self._replicas_pending = g.replicas > 1
+        self.replica_sum.pending = g.replicas > 1
         for share in shares:  # gloo has no AVG; the mean over data-parallel ranks
             share.div_(g.size * g.replicas)
         return [share.to(slot.local.dtype) for share, slot in zip(shares, self.slots, strict=True)]
@@ -354,20 +271,13 @@ class GatherUnit:
         """Sum the local gradients over the replicas (one all-reduce of the unit's owned
         gradients), if a backward left them unsummed, or wait for the sum the last backward
         issued; every replica calls it together."""
-        self._backwards = {}
-        if self._replica_sum is not None:
-            self._replica_sum.finish()
-            self._replica_sum = None
-        if not self._replicas_pending:
-            return
-        self._replicas_pending = False
+        self.replica_sum.finish(lambda issued: self._unsummed())
+
+    def _unsummed(self) -> list[torch.Tensor]:
         locals_ = [slot.local for slot in self.slots]
         if self.whole_here:  # autograd's own gradients: not yet divided
-            grads = self._averaged(locals_)
-        else:
-            grads = [p.grad for p in locals_ if p.grad is not None]
-        if grads:
-            sum_over(grads, self.groups.replicate, self.reduce_dtype)
+            return self._averaged(locals_)
+        return [p.grad for p in locals_ if p.grad is not None]
 
     def _accumulate(self, pending: Callable[[], list[torch.Tensor]]) -> None:
         """End of backward: this unit's asynchronous reduce-scatter is waited for and its
@@ -451,15 +361,18 @@ class GatherUnit:
         ]
 
     def _after_accumulate(self, param: torch.Tensor) -> None:
-        self._replicas_pending = True
-        if self.sum_replicas_in_backward <= 0:
+        """A whole unit's parameter has its gradient: in the step's last backward, once
+        every one has, their sum over the replicas is issued."""
+        replica_sum = self.replica_sum
+        replica_sum.pending = True
+        if not replica_sum.early:
             return
-        count_backward(self._backwards, id(param), self.sum_replicas_in_backward, REPLICAS_SUM)
+        replica_sum.in_last_backward(id(param))
         wanted = [slot.local for slot in self.slots if slot.local.requires_grad]
-        if all(self._backwards.get(id(p)) == self.sum_replicas_in_backward for p in wanted):
-            self._replicas_pending = False
-            self._replica_sum = AsyncSum(self._averaged(wanted), self.groups.replicate,
-                                         self.reduce_dtype)  # fmt: skip
+        last = replica_sum.sum_copies_in_backward
+        if all(replica_sum.backwards(id(p)) == last for p in wanted):
+            replica_sum.pending = False
+            replica_sum.issue(id(self), self._averaged(wanted))
 
     def _averaged(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients of ``params``, divided by the replicas: their sum is the mean."""
@@ -519,27 +432,27 @@ class GatherUnit:
             if unit._resharded:
                 unit.prefetch()
 
-    def _sums_replicas_now(self) -> bool:
-        if self.sum_replicas_in_backward <= 0 or self.groups.replicas == 1:
+    def _in_last_backward(self) -> bool:
+        """Count this backward of a gathered unit with replicas; whether it is the step's
+        last (its shares are summed over the replicas at once)."""
+        if self.groups.replicas == 1 or not self.replica_sum.early:
             return False
-        seen = count_backward(self._backwards, id(self), self.sum_replicas_in_backward,
-                              REPLICAS_SUM)  # fmt: skip
-        return seen == self.sum_replicas_in_backward
+        return self.replica_sum.in_last_backward(id(self))
 
-    def _sum_replicas_now(self, shares: Sequence[torch.Tensor]) -> None:
+    def _add_and_sum_over_replicas(self, shares: Sequence[torch.Tensor]) -> None:
         """Add this backward's shares to ``.grad`` and issue their sum over the replicas;
         ``reduce_replicas`` waits for it."""
         grads = self._add_to_grads(shares)
-        self._replicas_pending = False
+        self.replica_sum.pending = False
         if grads:
-            self._replica_sum = AsyncSum(grads, self.groups.replicate, self.reduce_dtype)
+            self.replica_sum.issue(id(self), grads)
 
     def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
         for grad in grads:  # the unsharded gradients, until reduce-scattered
             if grad is not None:
                 mark_memory(grad, "gradient_buffers")
-        if self._sums_replicas_now():
-            self._sum_replicas_now(self.reduce_scatter(grads))
+        if self._in_last_backward():
+            self._add_and_sum_over_replicas(self.reduce_scatter(grads))
             local_grads = [None] * len(self.slots)  # already in .grad
         elif self.reduce_scatter_async and self.groups.size > 1:
             pending = self._issue_reduce_scatter(grads, async_op=True)

@@ -18,15 +18,20 @@ Muon/AdamW parameter rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from europa.flexshard.layout import FlexShardLayout
+from europa.flexshard.whole_matrix_layout import FlexShardLayout
 from europa.spec.muon import (
+    adamw_keywords,
     adamw_state,
     adamw_update_any_split,
+    apply_muon_update,
+    closure_loss,
+    muon_adamw_defaults,
+    nesterov_momentum,
     orthogonalise,
-    rms_matching_scale,
 )
 from europa.spec.optim import uses_muon
 
@@ -35,21 +40,17 @@ __all__ = ["FlexShardOptimizer", "orthogonalise"]
 
 class FlexShardOptimizer(torch.optim.Optimizer):
     """``algorithm="muon"``: Muon on hidden matrices (``orthogonalised(name, shape)``),
-    AdamW on the rest; ``algorithm="adamw"``: AdamW on everything. State is
-    created at once (zeros), so a checkpoint can be loaded before the first step."""
+    AdamW on the rest; ``algorithm="adamw"``: AdamW on everything. ``hyperparameters``:
+    ``lr`` and the rest of ``europa.spec.muon.muon_adamw_defaults``. State is created at
+    once (zeros), so a checkpoint can be loaded before the first step."""
 
     def __init__(
         self,
         layout: FlexShardLayout,
         *,
-        lr: float,
         algorithm: str = "muon",
-        weight_decay: float = 0.1,
-        momentum: float = 0.95,
-        ns_steps: int = 5,
-        betas: tuple[float, float] = (0.9, 0.95),
-        eps: float = 1e-8,
         orthogonalised: Callable[[str, Sequence[int]], bool] = uses_muon,
+        **hyperparameters: Any,
     ) -> None:
         if algorithm not in ("muon", "adamw"):
             raise ValueError(f"algorithm = {algorithm!r}: expected 'muon' or 'adamw'")
@@ -66,14 +67,7 @@ class FlexShardOptimizer(torch.optim.Optimizer):
             for ps, use in ((muon, True), (adamw, False))
             if ps
         ]
-        defaults = dict(
-            lr=lr,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            ns_steps=ns_steps,
-            betas=betas,
-            eps=eps,
-        )
+        defaults = muon_adamw_defaults(**hyperparameters)
         super().__init__(groups, defaults)
         for group in self.param_groups:
             for param in group["params"]:
@@ -96,24 +90,15 @@ class FlexShardOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         self.layout.finish_gradients()  # a no-op when clipping already did it
         for group in self.param_groups:
             if group["use_muon"]:
                 self._muon_step(group)
             else:
                 stepped = [p for p in group["params"] if p.grad is not None]
-                adamw_update_any_split(
-                    stepped,
-                    [self.state[p] for p in stepped],
-                    lr=group["lr"],
-                    betas=group["betas"],
-                    eps=group["eps"],
-                    weight_decay=group["weight_decay"],
-                )
+                states = [self.state[p] for p in stepped]
+                adamw_update_any_split(stepped, states, **adamw_keywords(group))
         return loss
 
     def _muon_step(self, group: dict) -> None:
@@ -121,16 +106,13 @@ class FlexShardOptimizer(torch.optim.Optimizer):
         for param in group["params"]:
             if param.grad is None or param.numel() == 0:
                 continue
-            buf = self.state[param]["momentum_buffer"]
-            buf.lerp_(param.grad, 1 - group["momentum"])
-            nesterov = param.grad.lerp(buf, group["momentum"])
+            buffer = self.state[param]["momentum_buffer"]
+            nesterov = nesterov_momentum(param, buffer, group["momentum"])
             batches.setdefault((tuple(param.shape[1:]), param.dtype), []).append((param, nesterov))
-        for (matrix_shape, _), items in batches.items():
+        for items in batches.values():
             stacked = torch.cat([nesterov for _, nesterov in items])
             updates = orthogonalise(stacked, group["ns_steps"]).split(
                 [param.shape[0] for param, _ in items]
             )
-            scale = rms_matching_scale(matrix_shape)
             for (param, _), update in zip(items, updates, strict=True):
-                param.mul_(1 - group["lr"] * group["weight_decay"])
-                param.add_(update, alpha=-group["lr"] * scale)
+                apply_muon_update(param, update, group)

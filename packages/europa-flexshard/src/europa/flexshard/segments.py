@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from europa.flexshard.plan import OwnershipPlan, ParameterSpec
+from europa.flexshard.ownership import OwnershipPlan, ParameterSpec
 
 # The padding of a unit's gathered rows that its parameters may keep alive as views: 1/8.
 MAX_PADDING_SHARE_INVERSE = 8

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from europa.flexshard.layout import FlexShardLayout
 from europa.flexshard.optimizer import FlexShardOptimizer
+from europa.flexshard.whole_matrix_layout import FlexShardLayout
 from europa.spec.dcp import OwnedChunk
 
 HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "ns_steps", "betas", "eps")

@@ -2,7 +2,7 @@
 
 Design note. An expert-parallel MoE layer whose dispatcher offers the chunked
 protocol of europa-flexshard (``begin(x, scores, ids, chunks)`` returning a routed
-exchange with ``arrive``, ``send_back`` and ``finish``; ``europa.flexshard.dispatch``)
+exchange with ``arrive``, ``send_back`` and ``finish``; ``europa.flexshard.exchange.dispatcher``)
 (``europa.spec.dispatch.ChunkedDispatcher``) is driven here, chunk by chunk:
 
 1. ``begin`` issues every chunk's dispatch at once, asynchronously (the counts go

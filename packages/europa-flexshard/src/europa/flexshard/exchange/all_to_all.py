@@ -3,7 +3,7 @@ recomputation when asked. Both expert dispatchers are built from it.
 
 Design note. An exchange sends several row-aligned tensors at once (a token, its
 routing slots, their scores): each is encoded by its codec into uint8 columns
-(``europa.flexshard.codec``), the columns are concatenated, and one
+(``europa.flexshard.exchange.codec``), the columns are concatenated, and one
 ``all_to_all_single`` moves the rows, ``send_splits[r]`` of them to rank ``r`` of
 the group. The receiver cuts the columns apart and decodes each tensor to the
 sender's dtype.
@@ -11,14 +11,14 @@ sender's dtype.
 Autograd. ``launch`` issues the collective and returns a *flight*; ``wait`` waits
 for it and returns the decoded tensors. Two autograd functions joined by an empty
 token carry the graph: the backward of ``wait`` encodes the gradients of the
-differentiable parts with their ``back`` codecs and issues the reverse exchange
+differentiable parts with their ``grad_codec`` and issues the reverse exchange
 asynchronously; the backward of ``launch`` waits for it and decodes. So a chunked
 caller's backward overlaps like its forward. Integer parts (routing slots) have no
 gradient and are not sent back.
 
 Kept exchanges. A ``Keeper`` (one per MoE layer) records, while its block's forward
 runs, every buffer the layer received; those buffers are then saved for backward
-(``europa.flexshard.keep``). When the same layer's forward runs again inside the
+(``europa.flexshard.exchange.kept``). When the same layer's forward runs again inside the
 backward, that is the recomputation of activation checkpointing: each collective is
 then answered from the kept buffers, in order, and nothing is sent. The backward's
 own exchanges always travel.
@@ -29,7 +29,6 @@ wraps them (europa-overlap's timeline, a byte counter) sees every one.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,50 +36,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from europa.flexshard.codec import Codec
-from europa.spec.autograd import in_backward
+from europa.flexshard.exchange.codec import Codec
+from europa.flexshard.exchange.kept import Keeper
 from europa.spec.tags import mark_memory
-
-
-class Keeper:
-    """The received buffers of one layer's exchanges, for its recomputation."""
-
-    def __init__(self) -> None:
-        self.recording = False
-        self.kept: list[torch.Tensor] = []
-        self.replay: deque[torch.Tensor] = deque()
-
-    @staticmethod
-    def in_recomputation() -> bool:
-        return in_backward()  # a forward run inside a backward
-
-    def start(self) -> None:
-        self.recording, self.kept, self.replay = True, [], deque()
-
-    def stop(self) -> list[torch.Tensor]:
-        kept, self.recording, self.kept = self.kept, False, []
-        return kept
-
-    def give(self, buffers: Sequence[torch.Tensor]) -> None:
-        self.replay = deque(buffers)
-
-    def answer(self, shape: tuple[int, ...]) -> torch.Tensor:
-        if not self.replay:
-            raise RuntimeError(
-                "a recomputed forward asked for an expert exchange that was not kept; "
-                "expected the block's kept exchanges to be handed back first"
-            )
-        buffer = self.replay.popleft()
-        if tuple(buffer.shape) != shape:
-            raise RuntimeError(
-                f"a recomputed expert exchange expects a {shape} buffer, the kept one is "
-                f"{tuple(buffer.shape)}: the recomputation routed differently"
-            )
-        return buffer
-
-    def record(self, buffer: torch.Tensor) -> None:
-        if self.recording:
-            self.kept.append(buffer)
 
 
 def _replaying(keeper: Keeper | None) -> bool:
@@ -111,8 +69,8 @@ class Part:
     travels back (``None``: it has none)."""
 
     tensor: torch.Tensor
-    there: Codec = field(default_factory=Codec)
-    back: Codec | None = field(default_factory=Codec)
+    codec: Codec = field(default_factory=Codec)
+    grad_codec: Codec | None = field(default_factory=Codec)
 
 
 @dataclass
@@ -122,8 +80,8 @@ class Flight:
     group: Any
     send_splits: list[int]
     recv_splits: list[int]
-    there: list[Codec]
-    back: list[Codec | None]
+    codecs: list[Codec]
+    grad_codecs: list[Codec | None]
     cols: list[int]
     dtypes: list[torch.dtype]
     keeper: Keeper | None
@@ -160,14 +118,22 @@ def _receiving(like: torch.Tensor, shape) -> torch.Tensor:
 
 def _unpack(buffer: torch.Tensor, flight: Flight, codecs: Sequence[Codec | None]):
     out, start = [], 0
-    for codec, width, cols, dtype in zip(codecs, flight.widths(codecs), flight.cols,
-                                         flight.dtypes, strict=True):  # fmt: skip
+    for codec, width, cols, dtype in zip(
+        codecs, flight.widths(codecs), flight.cols, flight.dtypes, strict=True
+    ):
         if codec is None:
             out.append(None)
             continue
         out.append(codec.decode(buffer[:, start : start + width], cols, dtype))
         start += width
     return out
+
+
+def _zeros_if_none(grad: torch.Tensor | None, rows: int, cols: int, dtype, device) -> torch.Tensor:
+    """A gradient autograd left out (``None``) as the zeros it stands for."""
+    if grad is not None:
+        return grad
+    return torch.zeros(rows, cols, dtype=dtype, device=device)
 
 
 def _issue(recv: torch.Tensor, send: torch.Tensor, recv_splits, send_splits, group):
@@ -181,14 +147,15 @@ class _Launch(torch.autograd.Function):
     def forward(ctx, flight: Flight, *tensors: torch.Tensor) -> torch.Tensor:
         device = tensors[0].device
         rows = sum(flight.send_splits)
-        shape = (sum(flight.recv_splits), sum(flight.widths(flight.there)))
+        shape = (sum(flight.recv_splits), sum(flight.widths(flight.codecs)))
         if _replaying(flight.keeper):
             flight.received = flight.keeper.answer(shape)
         else:
-            flight.sent = _pack(tensors, flight.there, rows, device)
+            flight.sent = _pack(tensors, flight.codecs, rows, device)
             flight.received = _receiving(flight.sent, shape)
-            flight.work = _issue(flight.received, flight.sent, flight.recv_splits,
-                                 flight.send_splits, flight.group)  # fmt: skip
+            flight.work = _issue(
+                flight.received, flight.sent, flight.recv_splits, flight.send_splits, flight.group
+            )
             if flight.keeper is not None:  # in launch order, the order a replay asks in
                 flight.keeper.record(flight.received)
         ctx.flight = flight
@@ -200,7 +167,7 @@ class _Launch(torch.autograd.Function):
         flight.grad_work.wait()
         _, received = flight.grad_buffers
         flight.grad_work = flight.grad_buffers = None
-        grads = _unpack(received, flight, flight.back)
+        grads = _unpack(received, flight, flight.grad_codecs)
         return (None, *grads)
 
 
@@ -210,9 +177,9 @@ class _Wait(torch.autograd.Function):
         if flight.work is not None:
             flight.work.wait()
         received, flight.work, flight.sent, flight.received = flight.received, None, None, None
-        outs = _unpack(received, flight, flight.there)
-        ctx.mark_non_differentiable(*(o for o, b in zip(outs, flight.back, strict=True)
-                                      if b is None))  # fmt: skip
+        outs = _unpack(received, flight, flight.codecs)
+        no_gradient = zip(outs, flight.grad_codecs, strict=True)
+        ctx.mark_non_differentiable(*(out for out, codec in no_gradient if codec is None))
         ctx.flight = flight
         return tuple(outs)
 
@@ -221,14 +188,16 @@ class _Wait(torch.autograd.Function):
         flight = ctx.flight
         rows, device = sum(flight.recv_splits), flight.device
         tensors = [
-            None if b is None else g if g is not None else torch.zeros(rows, c, dtype=d,
-                                                                       device=device)
-            for g, b, c, d in zip(grads, flight.back, flight.cols, flight.dtypes, strict=True)
-        ]  # fmt: skip
-        sent = _pack(tensors, flight.back, rows, device)
+            _zeros_if_none(grad, rows, cols, dtype, device) if codec is not None else None
+            for grad, codec, cols, dtype in zip(
+                grads, flight.grad_codecs, flight.cols, flight.dtypes, strict=True
+            )
+        ]
+        sent = _pack(tensors, flight.grad_codecs, rows, device)
         received = _receiving(sent, (sum(flight.send_splits), sent.shape[1]))
-        flight.grad_work = _issue(received, sent, flight.send_splits, flight.recv_splits,
-                                  flight.group)  # fmt: skip
+        flight.grad_work = _issue(
+            received, sent, flight.send_splits, flight.recv_splits, flight.group
+        )
         flight.grad_buffers = (sent, received)
         return None, torch.empty(0, device=device)
 
@@ -246,8 +215,8 @@ def launch(
         group=group,
         send_splits=list(send_splits),
         recv_splits=list(recv_splits),
-        there=[p.there for p in parts],
-        back=[p.back for p in parts],
+        codecs=[p.codec for p in parts],
+        grad_codecs=[p.grad_codec for p in parts],
         cols=[t.shape[1] for t in tensors],
         dtypes=[t.dtype for t in tensors],
         keeper=keeper,
@@ -261,14 +230,3 @@ def wait(flight: Flight) -> list[torch.Tensor]:
     """The received parts (rows grouped by source), once the exchange is done."""
     token, flight.token = flight.token, None
     return list(_Wait.apply(flight, token))
-
-
-def exchange(
-    parts: Sequence[Part],
-    send_splits: Sequence[int],
-    recv_splits: Sequence[int],
-    group: dist.ProcessGroup | None,
-    keeper: Keeper | None = None,
-) -> list[torch.Tensor]:
-    """``launch`` and ``wait`` at once."""
-    return wait(launch(parts, send_splits, recv_splits, group, keeper))

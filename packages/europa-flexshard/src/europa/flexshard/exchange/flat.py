@@ -13,6 +13,8 @@ chunk c carries, for each destination, only the pairs of that destination's chun
 experts. An expert's grouped GEMM then sees exactly the rows it sees unchunked (its
 chunk holds all of them), and the weighting and sum run once, in the unchunked
 order, so chunked results are bit-identical to unchunked ones.
+
+Shape suffixes (``x_TD``, ``ids_TK``, ...): the notation in ``europa.flexshard.exchange``.
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from europa.flexshard.dispatch import ExpertDispatcher, by_local_expert
-from europa.flexshard.exchange import Flight, Part, exchange_counts, launch, wait
+from europa.flexshard.exchange.all_to_all import Flight, Part, exchange_counts, launch, wait
+from europa.flexshard.exchange.dispatcher import ExpertDispatcher, by_local_expert
 
 
 def chunk_bounds(experts: int, chunks: int) -> list[tuple[int, int]]:
@@ -81,11 +83,13 @@ def plan_chunks(
         recv_splits.append([sum(r) for r in rows])
         regroup.append(by_local_expert(rows, device))
         counts = torch.zeros(mine, dtype=torch.int64)
-        counts[lo:hi] = torch.tensor([sum(r[j] for r in rows) for j in range(hi - lo)],
-                                     dtype=torch.int64)  # fmt: skip
+        counts[lo:hi] = torch.tensor(
+            [sum(r[j] for r in rows) for j in range(hi - lo)], dtype=torch.int64
+        )
         local_counts.append(counts.to(device))
-    return ChunkPlan(send_order, back_order, send_rows, send_splits, recv_splits, regroup,
-                     local_counts)  # fmt: skip
+    return ChunkPlan(
+        send_order, back_order, send_rows, send_splits, recv_splits, regroup, local_counts
+    )
 
 
 class FlatDispatcher(ExpertDispatcher):
@@ -97,18 +101,19 @@ class FlatDispatcher(ExpertDispatcher):
         pairs = x_TD[order // self.top_k]
         counts = self.routing.counts(ids, self.num_experts)
         mine, ranks = self.local_experts, len(self.ranges)
-        received = exchange_counts(counts, self.experts_per_rank, [mine] * ranks, self.group,
-                                   self.keeper)  # fmt: skip
+        received = exchange_counts(
+            counts, self.experts_per_rank, [mine] * ranks, self.group, self.keeper
+        )
         # Split sizes are host integers: read each count tensor once (one sync on a GPU).
         pairs_sent = ids.numel()
         per_expert = self.routing.read(counts, lambda: self._to_experts(self.rank, pairs_sent))
         by_source = self.routing.read(received.view(ranks, mine), lambda: self._from(pairs_sent))
         plan = plan_chunks(per_expert, by_source, self.ranges, self.rank, chunks, x_TD.device)
-        there, back = self.codecs()
+        to_experts, from_experts = self.codecs()
         send = pairs if plan.send_order is None else pairs[plan.send_order]
         flights = [
             launch(
-                [Part(piece, there, back)],
+                [Part(piece, to_experts, from_experts)],
                 plan.send_splits[c],
                 plan.recv_splits[c],
                 self.group,
@@ -151,10 +156,12 @@ class FlatRouted:
 
     def send_back(self, chunk: int, out: torch.Tensor) -> None:
         d, plan = self.dispatcher, self.plan
-        there, back = d.codecs()
+        to_experts, from_experts = d.codecs()
         by_source = out[torch.argsort(plan.regroup[chunk])]
-        self.backs.append(launch([Part(by_source, back, there)], plan.recv_splits[chunk],
-                                 plan.send_splits[chunk], d.group, d.keeper))  # fmt: skip
+        part = Part(by_source, from_experts, to_experts)
+        self.backs.append(
+            launch([part], plan.recv_splits[chunk], plan.send_splits[chunk], d.group, d.keeper)
+        )
 
     def finish(self) -> torch.Tensor:
         back = torch.cat([wait(flight)[0] for flight in self.backs])

@@ -6,7 +6,7 @@ network twice. ``keep_exchanges(block, keepers)`` prevents that with two hooks o
 the block module (outside ``block.forward``, so outside the checkpointed region):
 
 * forward pre-hook: each MoE layer's ``Keeper`` starts recording the buffers its
-  exchanges receive (``europa.flexshard.exchange``);
+  exchanges receive (``europa.flexshard.exchange.all_to_all``);
 * forward hook: the recorded buffers become the saved tensors of an identity
   autograd function on the block's output. They are saved like any other tensor,
   under whatever saved-tensor hooks surround the block's call: europa-offload moves
@@ -20,12 +20,54 @@ sent. The forward of a block under ``no_grad`` (evaluation) records nothing.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from europa.flexshard.exchange import Keeper
+from europa.spec.autograd import in_backward
+
+
+class Keeper:
+    """The received buffers of one layer's exchanges, for its recomputation."""
+
+    def __init__(self) -> None:
+        self.recording = False
+        self.kept: list[torch.Tensor] = []
+        self.replay: deque[torch.Tensor] = deque()
+
+    @staticmethod
+    def in_recomputation() -> bool:
+        return in_backward()  # a forward run inside a backward
+
+    def start(self) -> None:
+        self.recording, self.kept, self.replay = True, [], deque()
+
+    def stop(self) -> list[torch.Tensor]:
+        kept, self.recording, self.kept = self.kept, False, []
+        return kept
+
+    def give(self, buffers: Sequence[torch.Tensor]) -> None:
+        self.replay = deque(buffers)
+
+    def answer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if not self.replay:
+            raise RuntimeError(
+                "a recomputed forward asked for an expert exchange that was not kept; "
+                "expected the block's kept exchanges to be handed back first"
+            )
+        buffer = self.replay.popleft()
+        if tuple(buffer.shape) != shape:
+            raise RuntimeError(
+                f"a recomputed expert exchange expects a {shape} buffer, the kept one is "
+                f"{tuple(buffer.shape)}: the recomputation routed differently"
+            )
+        return buffer
+
+    def record(self, buffer: torch.Tensor) -> None:
+        if self.recording:
+            self.kept.append(buffer)
 
 
 class _KeepExchanges(torch.autograd.Function):

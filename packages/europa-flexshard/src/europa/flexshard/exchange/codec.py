@@ -1,4 +1,4 @@
-"""Rows of a tensor as bytes on the wire, and back (the layout ``europa.flexshard.wire``
+"""Rows of a tensor as bytes on the wire, and back (the layout ``europa.flexshard.exchange.wire``
 counts).
 
 A codec turns a 2-D tensor into ``uint8`` rows (``encode``) and such rows into a
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from europa.flexshard.wire import FP8_BLOCK, row_bytes
+from europa.flexshard.exchange.wire import FP8_BLOCK, row_bytes
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0

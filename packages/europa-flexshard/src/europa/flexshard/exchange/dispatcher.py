@@ -3,8 +3,8 @@
 A dispatcher moves a rank's (token, expert) pairs to the ranks owning the experts
 and the experts' outputs back. Two live beside this file, with one protocol:
 
-* ``FlatDispatcher`` (``europa.flexshard.flat``): one row per (token, expert) pair;
-* ``TwoLevelDispatcher`` (``europa.flexshard.two_level``): one row per (token,
+* ``FlatDispatcher`` (``europa.flexshard.exchange.flat``): one row per (token, expert) pair;
+* ``TwoLevelDispatcher`` (``europa.flexshard.exchange.two_level``): one row per (token,
   destination node) between nodes, then one per (token, destination rank) inside.
 
 ``begin(x, scores, ids, chunks)`` issues the dispatch of every chunk and returns a
@@ -14,6 +14,8 @@ return of the experts' outputs; ``finish()`` waits for every return and gives ea
 token the weighted sum of its experts' outputs. torchtitan's ``dispatch`` and
 ``combine`` are that with one chunk. europa-overlap drives the chunked form (the
 shared expert computes while chunks travel); nothing else re-implements an exchange.
+
+Shape suffixes (``x_TD``, ``ids_TK``, ...): the notation in ``europa.flexshard.exchange``.
 """
 
 from __future__ import annotations
@@ -24,10 +26,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from europa.flexshard.codec import Codec
-from europa.flexshard.exchange import Keeper
-from europa.flexshard.routing import ModelledRouting, RoutingTable, TensorRouting, routing_table
-from europa.flexshard.wire import Wire
+from europa.flexshard.exchange.codec import Codec
+from europa.flexshard.exchange.kept import Keeper
+from europa.flexshard.exchange.routing import (
+    ModelledRouting,
+    RoutingTable,
+    TensorRouting,
+    routing_table,
+)
+from europa.flexshard.exchange.wire import Wire
 from europa.spec.dispatch import RoutedExchange
 from europa.spec.execution import RoutingModel
 
@@ -37,7 +44,7 @@ class ExpertDispatcher:
     in rank order). ``wire``: the dispatch and combine wire dtypes. ``keeper``: where the
     layer's exchanges are kept for a recomputation (None: they are not). ``routing``: a
     routing model whose expected counts size the exchanges instead of the routing tensors
-    (an execution on fake tensors, ``europa.flexshard.routing``), with at most
+    (an execution on fake tensors, ``europa.flexshard.exchange.routing``), with at most
     ``max_nodes`` nodes a token (0: all) and ``local`` ranks of the group a node (0: one
     node)."""
 

@@ -1,6 +1,6 @@
 """What an expert exchange sends for a given routing, exactly: bytes per rank, link and kind.
 
-Pure Python (no torch). ``europa.flexshard.wire`` says what uniform routing sends on
+Pure Python (no torch). ``europa.flexshard.exchange.wire`` says what uniform routing sends on
 average; this says what one layer call with *these* routings sends, so a run's
 counted bytes can be checked against its own routing, and the average against both.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from europa.flexshard.wire import COUNT_BYTES, INTER, INTRA, RowBytes
+from europa.flexshard.exchange.wire import COUNT_BYTES, INTER, INTRA, RowBytes
 
 Routing = Sequence[Sequence[int]]  # one rank's tokens, each its top-k expert ids
 

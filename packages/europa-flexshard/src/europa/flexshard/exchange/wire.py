@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the planner (``europa_plan``) and the byte checks use it.
 
-Rows. Every exchange sends rows of one packed layout (``europa.flexshard.exchange``):
+Rows. Every exchange sends rows of one packed layout (``europa.flexshard.exchange.all_to_all``):
 
 * towards the experts (forward dispatch, and the backward of combine) the token
   itself in the *dispatch* wire dtype: the compute dtype, bf16, or FP8 (e4m3) with

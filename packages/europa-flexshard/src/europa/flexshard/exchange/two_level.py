@@ -1,7 +1,7 @@
 """The two-level expert exchange: a token crosses between nodes once per destination node,
 then fans out inside the node; outputs are summed per node before they travel back.
 
-Design note. The ep group is ``nodes × local`` ranks (``europa.flexshard.nodes``);
+Design note. The ep group is ``nodes × local`` ranks (``europa.flexshard.exchange.nodes``);
 rank (n, l) sits at position l of node n. For a token of rank (n, l):
 
 1. *Between nodes* (rail group: the ranks at position l of every node): one row
@@ -19,13 +19,15 @@ Combine reverses it, summing as early as possible: the expert rank weights each
 pair's output by its score and sums a row's pairs; the forwarder sums, per
 stage-1 row, what its node's ranks sent back; the token's rank sums over nodes.
 Sums run in fp32. Autograd needs nothing more: every step is a differentiable op
-or an ``exchange`` (``europa.flexshard.exchange``), whose backward is the same
-exchange reversed, so the backward crosses the two levels in reverse order. The
+or an all-to-all (``europa.flexshard.exchange.all_to_all``), whose backward is the same
+all-to-all reversed, so the backward crosses the two levels in reverse order. The
 scores travel with the rows (their gradients come back the same way).
 
 Chunks split the rank's *tokens* (not its experts, as the flat exchange does): each
 token still crosses to a node once. Results equal the unchunked ones to rounding
 (an expert's weight gradient then sums its rows chunk by chunk).
+
+Shape suffixes (``x_TD``, ``ids_TK``, ...): the notation in ``europa.flexshard.exchange``.
 """
 
 from __future__ import annotations
@@ -34,13 +36,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from europa.flexshard.codec import Codec
-from europa.flexshard.dispatch import ExpertDispatcher
-from europa.flexshard.exchange import Flight, Part, exchange, exchange_counts, launch, wait
-from europa.flexshard.nodes import ExpertNodes
-from europa.flexshard.routing import NO_EXPERT
+from europa.flexshard.exchange.all_to_all import Flight, Part, exchange_counts, launch, wait
+from europa.flexshard.exchange.codec import Codec
+from europa.flexshard.exchange.dispatcher import ExpertDispatcher
+from europa.flexshard.exchange.nodes import ExpertNodes
+from europa.flexshard.exchange.routing import NO_EXPERT
 
-SCORES, IDS = Codec(), None  # scores travel as they are; routing ids have no gradient
+# How the routing slots travel: scores as they are (their gradients come back the same
+# way); expert ids as they are, with no gradient to send back.
+AS_IS, NO_GRADIENT = Codec(), None
 
 
 class TwoLevelDispatcher(ExpertDispatcher):
@@ -109,13 +113,16 @@ class TwoLevelDispatcher(ExpertDispatcher):
             sent, lambda: [list(c) for c in zip(*map(self._to_nodes, sizes), strict=True)]
         )
         received = routing.read(received.view(nodes, chunks), lambda: self._from_nodes(sizes))
-        there, back = self.codecs()
+        to_experts, from_experts = self.codecs()
         routed = TwoLevelRouted(self, x_TD)
         for c, (token, slots, _) in enumerate(plans):
             send_splits = [row[c] for row in sent]
             recv_splits = [row[c] for row in received]
-            parts = [Part(x_TD[token], there, back), Part(scores_TK[token].float(), SCORES, SCORES),
-                     Part(slots, SCORES, IDS)]  # fmt: skip
+            parts = [
+                Part(x_TD[token], to_experts, from_experts),
+                Part(scores_TK[token].float(), AS_IS, AS_IS),
+                Part(slots, AS_IS, NO_GRADIENT),
+            ]
             flight = launch(parts, send_splits, recv_splits, self.nodes.rail_group, self.keeper)
             routed.chunk_states.append(_Chunk(token, send_splits, recv_splits, flight))
         return routed
@@ -131,8 +138,8 @@ class _Chunk:
     flight: Flight
     forwarded: torch.Tensor | None = None  # stage-2 rows sent -> stage-1 row received
     received_rows: int = 0  # stage-1 rows received
-    send2: list[int] = field(default_factory=list)  # stage 2, per local rank
-    recv2: list[int] = field(default_factory=list)
+    send_splits_in_node: list[int] = field(default_factory=list)  # stage 2, per local rank
+    recv_splits_in_node: list[int] = field(default_factory=list)
     expert_rows: int = 0  # stage-2 rows received
     pair_row: torch.Tensor | None = None  # expert-sorted pair -> stage-2 row
     pair_score: torch.Tensor | None = None
@@ -163,20 +170,24 @@ class TwoLevelRouted:
         slots2 = torch.where(mine, renumbered, NO_EXPERT).to(torch.int32)
         state.forwarded = forwarded
         sent = routing.counts(destination, local)
-        state.send2 = routing.read(sent, lambda: d._to_ranks(arrived))
-        received = exchange_counts(torch.tensor(state.send2, device=device), [1] * local,
-                                   [1] * local, d.nodes.node_group, d.keeper)  # fmt: skip
+        state.send_splits_in_node = routing.read(sent, lambda: d._to_ranks(arrived))
+        send_counts = torch.tensor(state.send_splits_in_node, device=device)
+        ones = [1] * local
+        received = exchange_counts(send_counts, ones, ones, d.nodes.node_group, d.keeper)
         expected = d._to_ranks(arrived)[d.position] if d.table is not None else 0
-        state.recv2 = routing.read(received, lambda: [expected] * local)
-        there, back = d.codecs()
-        parts = [Part(rows[forwarded], there, back), Part(scores[forwarded], SCORES, SCORES),
-                 Part(slots2, SCORES, IDS)]  # fmt: skip
-        rows2, scores2, slots2 = exchange(parts, state.send2, state.recv2, d.nodes.node_group,
-                                          d.keeper)  # fmt: skip
+        state.recv_splits_in_node = routing.read(received, lambda: [expected] * local)
+        to_experts, from_experts = d.codecs()
+        parts = [
+            Part(rows[forwarded], to_experts, from_experts),
+            Part(scores[forwarded], AS_IS, AS_IS),
+            Part(slots2, AS_IS, NO_GRADIENT),
+        ]
+        splits = (state.send_splits_in_node, state.recv_splits_in_node)
+        rows2, scores2, slots2 = wait(launch(parts, *splits, d.nodes.node_group, d.keeper))
         state.expert_rows = rows2.shape[0]
         # The expert side: (row, slot) pairs, sorted by local expert, rows in order within one.
         flat = slots2.reshape(-1).long()
-        taken = routing.pairs(flat, lambda: d._pairs_here(state.recv2))
+        taken = routing.pairs(flat, lambda: d._pairs_here(state.recv_splits_in_node))
         order = torch.argsort(flat[taken], stable=True)
         taken = taken[order]
         state.pair_row = taken // top_k
@@ -192,17 +203,19 @@ class TwoLevelRouted:
 
     def send_back(self, chunk: int, out: torch.Tensor) -> None:
         d, state = self.dispatcher, self.chunk_states[chunk]
-        there, back = d.codecs()
+        to_experts, from_experts = d.codecs()
         width = out.shape[1]
         weighted = out.float() * state.pair_score.float()[:, None]
         per_row = out.new_zeros(state.expert_rows, width, dtype=torch.float32)
         per_row = per_row.index_add(0, state.pair_row, weighted)
-        (returned,) = exchange([Part(self._wire(per_row), back, there)], state.recv2,
-                               state.send2, d.nodes.node_group, d.keeper)  # fmt: skip
+        part = Part(self._wire(per_row), from_experts, to_experts)
+        splits = (state.recv_splits_in_node, state.send_splits_in_node)
+        (returned,) = wait(launch([part], *splits, d.nodes.node_group, d.keeper))
         per_node = out.new_zeros(state.received_rows, width, dtype=torch.float32)
         per_node = per_node.index_add(0, state.forwarded, returned.float())
-        state.back = launch([Part(self._wire(per_node), back, there)], state.recv_splits,
-                            state.send_splits, d.nodes.rail_group, d.keeper)  # fmt: skip
+        part = Part(self._wire(per_node), from_experts, to_experts)
+        splits = (state.recv_splits, state.send_splits)
+        state.back = launch([part], *splits, d.nodes.rail_group, d.keeper)
 
     def finish(self) -> torch.Tensor:
         out = self.x_TD.new_zeros(self.x_TD.shape, dtype=torch.float32)

@@ -1,0 +1,114 @@
+"""The process groups a FlexShard layout spans, built from a job's mesh
+(``[dp_replicate, dp_shard, ep]``, ``ep`` innermost: an ep group is consecutive ranks).
+
+``process_groups(job)`` gives (shard group, replicate group, expert parallelism): the
+ranks that split the non-expert matrices, those holding the same share elsewhere, and the
+routed experts' group with its copies, nodes and exchange settings. Imports torch only
+when a group is built.
+"""
+
+from __future__ import annotations
+
+from europa.flexshard.config import NAME
+from europa.flexshard.errors import FlexShardError
+from europa.spec.job import PlanningJob, RunningJob
+
+
+def ranks_per_node(job: PlanningJob) -> int:
+    """Ranks sharing a node, as the job resolved them (``parallel.ranks_per_node``, the
+    launcher's, or a planned machine's); all of them for a job that does not say."""
+    return getattr(job, "node_size", None) or job.world_size
+
+
+def dispatch_of(parallel, per_node: int) -> str:
+    """``parallel.ep_dispatch``, with "auto" resolved: two-level when an ep group spans
+    more than one node."""
+    if parallel.ep_dispatch != "auto":
+        return parallel.ep_dispatch
+    return "two_level" if parallel.ep > per_node else "flat"
+
+
+def _expert_parallel(job: RunningJob, copies):
+    from europa.flexshard.exchange.nodes import ExpertNodes, expert_node_groups, split_into_nodes
+    from europa.flexshard.experts import ExpertParallel
+
+    mesh, parallel = job.mesh, job.config.parallel
+    per_node = ranks_per_node(job)
+    ep_groups = mesh.mesh.reshape(-1, parallel.ep).tolist()  # ep innermost: consecutive ranks
+    dispatch = dispatch_of(parallel, per_node)
+    if dispatch == "two_level":
+        nodes = expert_node_groups(ep_groups, per_node)
+    else:
+        for group in ep_groups:
+            split_into_nodes(group, per_node)
+        nodes = ExpertNodes(min(parallel.ep, per_node))
+    execution = getattr(job, "execution", None)
+    return ExpertParallel(
+        group=mesh["ep"].get_group(),
+        copies=copies,
+        dispatch=dispatch,
+        nodes=nodes,
+        dispatch_dtype=parallel.ep_dispatch_dtype,
+        keep_exchanges=parallel.ep_keep_exchanges,
+        routing=execution.routing if execution is not None else None,
+        max_nodes=parallel.ep_max_nodes_per_token,
+    )
+
+
+def check_dense_group(job: PlanningJob, group: int) -> None:
+    if job.config.section(NAME).dense_group != "node":
+        return
+    per_node = ranks_per_node(job)
+    if group > per_node and group % per_node:
+        raise FlexShardError(
+            f'flexshard.dense_group = "node": the {group} ranks of dp_shard × ep do not hold '
+            f'whole nodes of {per_node}; expected flexshard.dense_group = "all" or ranks per '
+            "node dividing them"
+        )
+
+
+def dense_ranks(job: RunningJob) -> tuple[list[list[int]], list[list[int]]]:
+    """(the groups splitting the non-expert matrices, the replica groups holding the same
+    share) as global ranks. Each replica's ``dp_shard × ep`` ranks (consecutive) split them,
+    or with ``flexshard.dense_group = "node"`` each node's ranks of those."""
+    from europa.flexshard.exchange.nodes import split_into_nodes
+
+    blocks = [r.flatten().tolist() for r in job.mesh.mesh]  # [dp_replicate][dp_shard × ep]
+    check_dense_group(job, len(blocks[0]))
+    dense_group = job.config.section(NAME).dense_group
+    if dense_group == "node":
+        per_node = ranks_per_node(job)
+        blocks = [node for block in blocks for node in split_into_nodes(block, per_node)]
+    elif dense_group == "rank":
+        blocks = [[rank] for block in blocks for rank in block]
+    replicas = [[block[i] for block in blocks] for i in range(len(blocks[0]))]
+    return blocks, replicas
+
+
+def process_groups(job: RunningJob):
+    """(shard group, replicate group, expert parallelism) for ``job.mesh``.
+
+    Without ``ep`` the owned layout spans ``dp_shard``. With ``ep > 1`` it spans
+    ``dp_shard × ep`` (every rank reads its own data), the experts split over
+    ``ep``, and their copies sit along ``dp_replicate × dp_shard``. With
+    ``flexshard.dense_group = "node"`` the owned layout spans one node's ranks of those,
+    and the other nodes hold copies."""
+    import torch.distributed as dist
+
+    mesh, parallel = job.mesh, job.config.parallel
+    if parallel.ep == 1 and job.config.section(NAME).dense_group == "all":
+        replicate = mesh["dp_replicate"].get_group() if parallel.dp_replicate > 1 else None
+        return mesh["dp_shard"].get_group(), replicate, None
+    shards, replica_ranks = dense_ranks(job)
+    shard, _ = dist.new_subgroups_by_enumeration(shards)
+    replicate = None
+    if len(replica_ranks[0]) > 1:
+        replicate, _ = dist.new_subgroups_by_enumeration(replica_ranks)
+    if parallel.ep == 1:
+        return shard, replicate, None
+    ranks = mesh.mesh  # [dp_replicate, dp_shard, ep] -> global rank
+    copies = None
+    if ranks.shape[0] * ranks.shape[1] > 1:
+        per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]
+        copies, _ = dist.new_subgroups_by_enumeration(per_ep)
+    return shard, replicate, _expert_parallel(job, copies)
