@@ -482,9 +482,9 @@ def test_every_hook_docstring_states_how_it_is_called():
         flags = fn.europa_spec
         doc = " ".join(inspect.getdoc(fn).split())
         assert not (flags["firstresult"] and flags["historic"]), name
-        assert ("firstresult" in doc) == flags["firstresult"], name
+        assert ("Stops at first non-None result" in doc) == flags["firstresult"], name
         assert ("historic" in doc) == flags["historic"], name
-        all_run = re.search(r"\(all (implementations )?run\)", doc) is not None
+        all_run = re.search(r"\bAll run\b", doc) is not None  # the spec's words for it
         assert all_run == (not flags["firstresult"] and not flags["historic"]), name
 
 

@@ -77,6 +77,7 @@ ANNOTATED_PLUGINS = (
     "europa.core.plugins.builtin.fsdp",
     "europa.core.plugins.builtin.model",
     "europa.core.plugins.builtin.optimizer",
+    "europa.flexshard.plugin",
     "europa.offload.plugin",
     "europa.overlap.plugin",
     "europa.report.plugin",

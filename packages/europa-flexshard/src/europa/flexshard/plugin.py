@@ -12,7 +12,7 @@ parameters and gather units), for other plugins that want to read it.
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from europa.flexshard.config import NAME, FlexShardConfig
 from europa.spec.hookspecs import hookimpl
@@ -36,7 +36,7 @@ def europa_config_sections() -> dict[str, type]:
 
 @hookimpl
 def europa_search_levers(
-    config, world_size: int, ranks_per_node: int, plan: SearchInputs
+    config: Any, world_size: int, ranks_per_node: int, plan: SearchInputs
 ) -> list[list[dict]]:
     from europa.flexshard.planner import search_alternatives
 
