@@ -142,26 +142,16 @@ def step_traffic(
             "expert_all_to_all_bytes_per_step"
         ]
     }
+    # A gather sends parameters in the compute dtype, a reduce-scatter gradients in theirs.
+    unit_passes = (
+        ("parameter_gather", 0, compute_bytes),
+        ("gradient_reduce_scatter", 1, reduce_bytes),
+    )
     out = [
         *(
-            Traffic(
-                "parameter_gather",
-                link,
-                int(gathered * compute_bytes * micro_batches),
-                True,
-                direct=direct,
-            )
-            for link, (gathered, _) in by_link.items()
-        ),
-        *(
-            Traffic(
-                "gradient_reduce_scatter",
-                link,
-                int(reduced * reduce_bytes * micro_batches),
-                True,
-                direct=direct,
-            )
-            for link, (_, reduced) in by_link.items()
+            Traffic(kind, link, int(elements[i] * nbytes * micro_batches), True, direct=direct)
+            for kind, i, nbytes in unit_passes
+            for link, elements in by_link.items()
         ),
         Traffic(
             "gradient_replica_all_reduce",
