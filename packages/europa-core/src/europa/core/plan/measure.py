@@ -15,6 +15,9 @@ Design note. A shipped profile holds vendor peaks and the share of them a step g
   counts them); ``*_collectives``: each one's at the sizes one step sends (a block's
   gather, its gradient reduce-scatter and all-reduce, one MoE layer's token exchange)
   over it, and ``*_efficiency`` their mean (for a collective the table lacks).
+  On gloo, ``point_to_point`` (europa-flexshard's direct transfers) is the slower of
+  the lone transfer and the same transfer made inside the model's step, at each block's
+  waiting points (``europa.core.plan.measure_direct``: the ranks share the cores).
   ``intra_node`` is measured among the ranks of this node; ``inter_node`` among one
   rank per node when the launcher started several nodes, else kept from the base
   profile (and the file says so).
@@ -38,8 +41,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
+from europa.core.config.schema import ModelConfig
 from europa.core.plan.hardware import HardwareProfile
+from europa.core.plan.measure_direct import direct_exchanges, direct_rate_in_step
 from europa.core.plan.shapes import ModelShapes
 from europa.spec.units import GIB
 
@@ -127,16 +133,14 @@ def measure_compute(gemms: dict, device, sync, dtypes: list[str]) -> dict:
     return out
 
 
-def measure_model_step(config, device, sync) -> dict[str, float]:
-    """The model's own forward and backward on one micro-batch of this rank, in the
-    training dtype, no communication: what its matrix multiplies, attention, elementwise
-    work and per-layer Python cost really run at. A model of more than
-    ``WHOLE_MODEL_PARAMETERS`` is timed with one dense and one MoE block only."""
+def model_step_of(config, device) -> tuple[Callable[[], None], nn.Module, ModelConfig]:
+    """(the model's own forward and backward on one micro-batch of this rank, in the
+    training dtype, no communication; the model; its config). A model of more than
+    ``WHOLE_MODEL_PARAMETERS`` keeps one dense and one MoE block only."""
     import torch.nn.functional as F
 
     from europa.core.model import build_moe_model
     from europa.core.model.materialise import materialise
-    from europa.core.plan.timing import model_flops_per_token
 
     m, training = config.model, config.training
     model = build_moe_model(m)
@@ -151,11 +155,34 @@ def measure_model_step(config, device, sync) -> dict[str, float]:
         logits = model(inputs)
         F.cross_entropy(logits.flatten(0, 1).float(), inputs.flatten()).backward()
 
+    return step, model, m
+
+
+def measure_model_step(config, device, sync) -> dict[str, float]:
+    """The model's own step (``model_step_of``): what its matrix multiplies, attention,
+    elementwise work and per-layer Python cost really run at."""
+    from europa.core.plan.timing import model_flops_per_token
+
+    step, model, m = model_step_of(config, device)
+    training = config.training
     dist.barrier()  # every rank computes at once, sharing the machine as training does
     seconds = timed(step, sync, dist.group.WORLD, min_repeats=MODEL_STEP_REPEATS)
     tokens = training.batch_size * training.seq_len
     flops = model_flops_per_token(ModelShapes.of(model), m, training.seq_len) * tokens
     return {"seconds": seconds, "tflops": flops / seconds / 1e12, "layers": m.n_layers}
+
+
+def measure_direct_in_step(config, nbytes: int, group, device, sync) -> dict[str, float]:
+    """``point_to_point`` at the step's cadence (``europa.core.plan.measure_direct``)."""
+    step, model, _ = model_step_of(config, device)
+    blocks = list(model.layers.values())
+
+    def timed_step(fn, on):
+        return timed(fn, sync, on, min_repeats=MODEL_STEP_REPEATS)
+
+    found = direct_rate_in_step(step, blocks, nbytes, group, device, timed_step)
+    rate = found.pop("bytes_per_s")
+    return {**found, "gbps": rate / 1e9}
 
 
 def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
@@ -178,15 +205,7 @@ def collective_bandwidth(kind: str, nbytes: int, group, device, sync) -> float:
         def run():
             dist.all_reduce(full, group=group)
     elif kind == "point_to_point":  # every rank's piece to every other, as direct transfers
-        rank, pieces = dist.get_rank(group), full.view(n, -1)
-
-        peers = [peer for peer in range(n) if peer != rank]
-
-        def run():
-            works = [dist.isend(pieces[rank], group=group, group_dst=p) for p in peers]
-            works += [dist.irecv(pieces[p], group=group, group_src=p) for p in peers]
-            for work in works:
-                work.wait()
+        run, _, _ = direct_exchanges(nbytes, group, device)
     else:
         received = torch.empty_like(full)
 
@@ -294,6 +313,11 @@ def measure(
             found.notes.append(f"{link}: {why_not}, kept from the base profile")
             continue
         found.links[link] = measure_link(group, messages, device, sync)
+        if dist.get_backend(group) == dist.Backend.GLOO:  # the backend that sends direct
+            direct = found.links[link]["point_to_point"]
+            in_step = measure_direct_in_step(config, direct["step_bytes"], group, device, sync)
+            direct |= {"alone_step_gbps": direct["step_gbps"], "in_step": in_step}
+            direct["step_gbps"] = min(direct["step_gbps"], in_step["gbps"])
         gbps, efficiency, each = link_figures(found.links[link])
         profile[f"{link}_gbps"] = round(gbps, 4)
         profile[f"{link}_efficiency"] = round(efficiency, 4)
@@ -394,11 +418,13 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
     import json
 
     from europa.core.config import toml
+    from europa.core.launch.heap import keep_freed_memory
     from europa.core.model import build_moe_model
     from europa.core.plan.hardware import profile_from_table
 
     cuda = torch.cuda.is_available() and config.parallel.device != "cpu"
-    if not cuda:  # the ranks of this machine share its cores, as training's do
+    if not cuda:  # the ranks of this machine share its cores and heap policy, as training's do
+        keep_freed_memory()
         here = int(os.environ.get("LOCAL_WORLD_SIZE", world if not launched() else 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
     local = int(os.environ.get("LOCAL_RANK", rank % per_node))
