@@ -1,11 +1,7 @@
 """``--measure-hardware``'s direct transfers inside the model's step
-(``europa.core.plan.measure_direct``) and the heap policy of a CPU rank
-(``europa.core.launch.heap``)."""
+(``europa.core.plan.measure_direct``)."""
 
 from __future__ import annotations
-
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -41,34 +37,3 @@ def test_the_direct_exchanges_move_every_piece_once_and_sum_them(ranks):
         assert found["sent"] == 64 * 4 * (world - 1)
         assert found["calls"] == ["gather", "gather", "gather", "reduce_scatter",
                                   "gather", "reduce_scatter"]  # fmt: skip
-
-
-HEAP_PROBE = """
-import ctypes, sys
-from europa.core.launch.heap import keep_freed_memory
-
-class MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
-                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-libc = ctypes.CDLL("libc.so.6")
-libc.malloc.restype = ctypes.c_void_p
-libc.free.argtypes = [ctypes.c_void_p]
-libc.mallinfo2.restype = MallInfo2
-if sys.argv[1] == "keep":
-    assert keep_freed_memory()
-block = libc.malloc(16 << 20)
-mapped = libc.mallinfo2().hblkhd
-libc.free(block)
-print(mapped >= 16 << 20, libc.mallinfo2().fordblks >= 16 << 20)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
-def test_a_cpu_rank_keeps_a_freed_block_in_its_heap_for_the_next_allocation():
-    def probe(mode: str) -> str:
-        run = [sys.executable, "-c", HEAP_PROBE, mode]
-        return subprocess.run(run, capture_output=True, text=True, check=True).stdout.split()
-
-    assert probe("default") == ["True", "False"]  # its own mapping, unmapped when freed
-    assert probe("keep") == ["False", "True"]  # from the heap, and kept there

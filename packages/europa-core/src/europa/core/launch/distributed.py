@@ -20,7 +20,6 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from europa.core.config.schema import ParallelConfig
 from europa.core.errors import LaunchError
-from europa.core.launch.heap import keep_freed_memory
 
 MESH_AXES = ("dp_replicate", "dp_shard", "ep")
 
@@ -198,8 +197,6 @@ def init_distributed(
     """Start the process group and build the named mesh for this process."""
     shape = mesh_shape(parallel, place.world_size)
     device = pick_device(parallel, place.local_rank)
-    if device.type == "cpu":
-        keep_freed_memory()
     # A lone process rendezvous with itself on a free local port; launched ranks
     # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.
     init_method = f"tcp://127.0.0.1:{free_port()}" if place.source == "single" else "env://"

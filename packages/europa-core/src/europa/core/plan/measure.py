@@ -418,13 +418,11 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
     import json
 
     from europa.core.config import toml
-    from europa.core.launch.heap import keep_freed_memory
     from europa.core.model import build_moe_model
     from europa.core.plan.hardware import profile_from_table
 
     cuda = torch.cuda.is_available() and config.parallel.device != "cpu"
-    if not cuda:  # the ranks of this machine share its cores and heap policy, as training's do
-        keep_freed_memory()
+    if not cuda:  # the ranks of this machine share its cores, as training's do
         here = int(os.environ.get("LOCAL_WORLD_SIZE", world if not launched() else 1))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // here))
     local = int(os.environ.get("LOCAL_RANK", rank % per_node))
