@@ -378,7 +378,8 @@ def profile_toml(profile: HardwareProfile, found: Measured, command: str) -> str
         "# peak_tflops: the best matmul rate seen; matmul_efficiency: the model's forward",
         "# and backward on one micro-batch over it. *_gbps: the best of all-gather,",
         "# reduce-scatter, all-reduce and all-to-all at 64 MiB; *_collectives: each at",
-        "# one step's message sizes over that; *_efficiency: their mean.",
+        "# one step's message sizes over that (point_to_point on gloo: the slower of alone",
+        "# and inside the model's step); *_efficiency: their mean.",
         *(f"# {note}" for note in found.notes),
     ]
     return "\n".join(header) + "\n" + tomli_w.dumps(table)
