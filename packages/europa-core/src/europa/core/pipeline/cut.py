@@ -1,0 +1,107 @@
+"""The model's layers cut into consecutive stages, balanced by compute.
+
+Each layer's cost is its matrix-multiply FLOPs per token (``6 ×`` the matrix parameters a
+token touches: every dense one, ``top_k`` of the routed experts) plus causal attention;
+the embedding is a lookup and the output head a product over the vocabulary, and each
+counts to the stage that holds it (the first and the last). The cut minimises the largest
+stage's cost over every split into non-empty runs of consecutive layers (exact, by
+dynamic programming: at most a few hundred layers).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from torch import nn
+
+EMBEDDING, LAYERS, HEAD = "tok_embeddings", "layers", ("norm", "lm_head")
+
+
+def module_flops_per_token(module: nn.Module, top_k: int, num_experts: int) -> int:
+    """``6 ×`` the matrix parameters a token touches in ``module`` (2-D weights in full,
+    3-D stacks of routed experts ``top_k / num_experts`` of them)."""
+    total = 0
+    for p in module.parameters():
+        if p.dim() == 2 and min(p.shape) > 1:
+            total += p.numel()
+        elif p.dim() == 3:
+            total += p.numel() * top_k // num_experts
+    return 6 * total
+
+
+def layer_costs(model: nn.Module, attention_per_layer: int, top_k: int, num_experts: int):
+    """(each layer's FLOPs per token, in order; the embedding's; the head's)."""
+    layers = [
+        module_flops_per_token(layer, top_k, num_experts) + attention_per_layer
+        for layer in getattr(model, LAYERS).values()
+    ]
+    head = sum(
+        module_flops_per_token(getattr(model, name), top_k, num_experts)
+        for name in HEAD
+        if getattr(model, name, None) is not None
+    )
+    return layers, 0, head
+
+
+def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
+    """``stages`` consecutive, non-empty runs of the items (their indices), covering each
+    once, whose largest sum is the least any such cut has. ``stages`` must be between 1
+    and ``len(costs)``."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot cut {n} items into {stages} non-empty stages")
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    # best[s][i]: the least largest stage cost of the first i items in s stages
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    choice = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, stages + 1):
+        for i in range(s, n - (stages - s) + 1):
+            for j in range(s - 1, i):
+                worst = max(best[s - 1][j], prefix[i] - prefix[j])
+                if worst < best[s][i]:
+                    best[s][i], choice[s][i] = worst, j
+    bounds, i = [n], n
+    for s in range(stages, 0, -1):
+        i = choice[s][i]
+        bounds.append(i)
+    bounds.reverse()
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def model_cut(
+    model: nn.Module, stages: int, attention_per_layer: int, top_k: int, num_experts: int
+) -> list[range]:
+    """The balanced cut of ``model``'s layers, the embedding counted to the first layer's
+    stage and the head to the last's."""
+    layers, embedding, head = layer_costs(model, attention_per_layer, top_k, num_experts)
+    layers[0] += embedding
+    layers[-1] += head
+    return balanced_cut(layers, stages)
+
+
+def stated_cut(layers_per_stage: Sequence[int], n_layers: int) -> list[range]:
+    """The cut a config states (``parallel.pp_layers``): each stage's layer count."""
+    if any(count < 1 for count in layers_per_stage) or sum(layers_per_stage) != n_layers:
+        raise ValueError(
+            f"{list(layers_per_stage)}; expected a positive layer count per stage, "
+            f"summing to the model's {n_layers} layers"
+        )
+    out, start = [], 0
+    for count in layers_per_stage:
+        out.append(range(start, start + count))
+        start += count
+    return out
+
+
+def stage_module_names(cut: Sequence[range], layer_keys: Sequence[str]) -> list[list[str]]:
+    """Each stage's module names: its layers (``layers.<key>``), the embedding with the
+    first stage, the final norm and the output head with the last."""
+    names = [[f"{LAYERS}.{layer_keys[i]}" for i in stage] for stage in cut]
+    names[0].insert(0, EMBEDDING)
+    names[-1].extend(HEAD)
+    return names

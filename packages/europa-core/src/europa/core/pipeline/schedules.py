@@ -1,0 +1,67 @@
+"""torch's pipeline schedules by name, and which stages each pipeline rank holds.
+
+Looped schedules (1F1B, interleaved 1F1B) put stage ``s`` on rank ``s mod P``; the V
+schedules (ZBV zero-bubble, DualPipeV) hold two stages a rank, ``r`` and ``2P - 1 - r``, so
+the first and the last stage share rank 0 (as torchtitan places them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+
+SCHEDULES = {
+    "1f1b": Schedule1F1B,
+    "interleaved-1f1b": ScheduleInterleaved1F1B,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
+}
+V_SHAPED = ("zbv", "dualpipev")
+SINGLE_STAGE = ("1f1b",)
+
+
+def stages_per_rank_allowed(schedule: str) -> tuple[int, ...] | None:
+    """The stages a rank may hold under ``schedule``: exactly one, exactly two, or (None)
+    two or more."""
+    if schedule in SINGLE_STAGE:
+        return (1,)
+    if schedule in V_SHAPED:
+        return (2,)
+    return None
+
+
+def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
+    """The stage indices pipeline rank ``pp_rank`` holds, in the order it runs them."""
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(stages_per_rank)]
+
+
+def build_schedule(
+    schedule: str,
+    stage_modules: Sequence[tuple[int, nn.Module]],
+    num_stages: int,
+    device: torch.device,
+    group,
+    micro_batches: int,
+    loss_fn: Callable,
+):
+    """The schedule over this rank's ``(stage index, module)`` pairs. Gradients are
+    summed over the micro-batches as they come (``scale_grads=False``): ``loss_fn`` scales."""
+    stages = [
+        PipelineStage(module, index, num_stages, device, group=group)
+        for index, module in stage_modules
+    ]
+    cls = SCHEDULES[schedule]
+    if schedule in SINGLE_STAGE:
+        return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False), stages
+    return cls(stages, micro_batches, loss_fn=loss_fn, scale_grads=False), stages
