@@ -52,6 +52,10 @@ def _load(overrides: list[str], **kwargs: Any) -> EuropaConfig:
 # Keys tied together by cross-field rules; drawn together, consistently, by _coupled.
 COUPLED = {
     "run.name",
+    "parallel.pp",
+    "parallel.pp_schedule",
+    "parallel.pp_stages_per_rank",
+    "parallel.pp_layers",
     "model.num_experts",
     "model.top_k",
     "model.num_expert_groups",
@@ -161,6 +165,11 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         }
     if draw(st.booleans()):
         out["parallel.dp_shard"] = draw(st.one_of(st.just(-1), st.integers(1, 4096)))
+    if draw(st.booleans()):  # a schedule and its stages per rank (pipelines: test_pipeline)
+        schedule = draw(st.sampled_from(["1f1b", "interleaved-1f1b", "zbv", "dualpipev"]))
+        own = {"1f1b": st.just(1), "zbv": st.just(2), "dualpipev": st.just(2)}
+        per_rank = draw(st.one_of(st.just(0), own.get(schedule, st.integers(2, 8))))
+        out |= {"parallel.pp_schedule": schedule, "parallel.pp_stages_per_rank": per_rank}
     if draw(st.booleans()):  # one folder name: UTF-8, non-empty, no "/" or NUL, <= 200 bytes
         letters = st.characters(exclude_characters="/\0", exclude_categories=["Cs"])
         name = draw(st.text(letters, min_size=1, max_size=50))

@@ -49,10 +49,11 @@ def test_slurm_without_a_rendezvous_address_is_refused():
 @pytest.mark.parametrize(
     ("overrides", "world", "shape"),
     [
-        ([], 2, (1, 2, 1)),
-        (["parallel.dp_replicate=2"], 4, (2, 2, 1)),
-        (["parallel.ep=2"], 4, (1, 2, 2)),
-        (["parallel.dp_shard=3"], 3, (1, 3, 1)),
+        ([], 2, (1, 1, 2, 1)),
+        (["parallel.dp_replicate=2"], 4, (1, 2, 2, 1)),
+        (["parallel.ep=2"], 4, (1, 1, 2, 2)),
+        (["parallel.dp_shard=3"], 3, (1, 1, 3, 1)),
+        (["parallel.pp=2", "training.grad_accum_steps=2"], 2, (2, 1, 1, 1)),
     ],
 )
 def test_mesh_shape(overrides, world, shape):
@@ -81,7 +82,7 @@ def test_under_torchrun_each_rank_trains_as_the_rank_it_was_given(tmp_path):
     assert done.returncode == 0, done.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["world_size"] == 2
-    assert "2 rank(s), mesh dp_replicate=1 × dp_shard=2 × ep=1" in done.stderr
+    assert "2 rank(s), mesh pp=1 × dp_replicate=1 × dp_shard=2 × ep=1" in done.stderr
 
 
 SLURM_TASK = {"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_NODEID": "1"}

@@ -137,3 +137,106 @@ def test_each_schedule_on_two_ranks_gives_the_whole_models_gradients(ranks):
         for schedule, error in worst.items():
             bound = 1e-4 if schedule in ("zbv", "dualpipev") else 1e-5
             assert error <= bound, (rank, schedule, error)
+
+
+PIPELINE_STEPS = 12
+SAME_BATCH = ["training.seq_len=64", f"training.steps={PIPELINE_STEPS}", "checkpoint.every=6"]
+
+
+def _pipeline_runs():
+    from tests.trainer_runs import Run
+
+    # 16 sequences a step either way: 2 data-parallel ranks × 2 × 4 micro-batches, or one
+    # pipeline of 2 ranks reading 4 × 4.
+    reference = Run("pp1", [*SAME_BATCH, "training.batch_size=2", "training.grad_accum_steps=4"])
+    staged = [*SAME_BATCH, "parallel.pp=2", "training.batch_size=4", "training.grad_accum_steps=4"]
+    runs = [reference]
+    for schedule in SCHEDULES:
+        runs.append(Run(f"pp2-{schedule}", [*staged, f'parallel.pp_schedule="{schedule}"']))
+    # A pipeline's checkpoint resumed without stages, and the other way round.
+    runs.append(Run("pp1-from-pp2", reference.overrides, resume_from="pp2-1f1b"))
+    runs.append(Run("pp2-from-pp1", staged, resume_from="pp1"))
+    return runs
+
+
+@pytest.mark.distributed
+def test_pipeline_stages_train_as_the_whole_model_does_and_resume_across_a_change_of_pp(
+    ranks, tmp_path
+):
+    from tests.trainer_runs import train_runs
+
+    records = ranks(train_runs, 2, str(tmp_path), _pipeline_runs(), timeout=300)[0]
+    losses = {name: [r["loss"] for r in rows if "loss" in r] for name, rows in records.items()}
+    reference = losses["pp1"]
+    assert len(reference) == PIPELINE_STEPS
+    for schedule in SCHEDULES:
+        bound = 1e-4 if schedule in ("zbv", "dualpipev") else 1e-5
+        curve = losses[f"pp2-{schedule}"]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True))
+        assert worst <= bound, (schedule, worst, curve, reference)
+    # resumed from step 6 (its records up to there kept): steps 7.. continue the
+    # uninterrupted run's losses
+    for resumed in ("pp1-from-pp2", "pp2-from-pp1"):
+        assert [r["step"] for r in records[resumed] if "loss" in r] == list(range(1, 13))
+        tail = losses[resumed][6:]
+        worst = max(abs(a - b) / abs(b) for a, b in zip(tail, reference[6:], strict=True))
+        assert worst <= 1e-5, (resumed, worst)
+    # each stage's expert loads reach the metrics: every MoE layer of the model
+    layers = {
+        layer for r in records["pp2-1f1b"] if "expert_load" in r for layer in r["expert_load"]
+    }
+    assert layers == {
+        layer for r in records["pp1"] if "expert_load" in r for layer in r["expert_load"]
+    }
+
+
+PIPELINE_REFUSALS = [
+    (["parallel.pp=8", "training.grad_accum_steps=8"],
+     "parallel.pp = 8: expected at most model.n_layers (4) stages in all; 8 ranks × 1 stages"),
+    (["parallel.pp=2", "parallel.pp_schedule=\"zbv\"", "parallel.pp_stages_per_rank=3"],
+     "parallel.pp_stages_per_rank = 3: expected 2 for zbv"),
+    (["parallel.pp=2", "parallel.pp_schedule=\"interleaved-1f1b\"",
+      "parallel.pp_stages_per_rank=1"],
+     "parallel.pp_stages_per_rank = 1: expected 2 or more for interleaved-1f1b"),
+    (["parallel.pp=2", "training.grad_accum_steps=1"],
+     "training.grad_accum_steps = 1: expected at least the 2 stages, as 1f1b needs"),
+    (["parallel.pp=2", "parallel.pp_schedule=\"dualpipev\"", "training.grad_accum_steps=2"],
+     "training.grad_accum_steps = 2: expected at least the 4 stages, as dualpipev needs"),
+    (["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_layers=[4, 0]"],
+     "parallel.pp_layers = [4, 0]: expected 2 positive layer counts, one a stage, summing"),
+    (["parallel.pp_layers=[2, 2]"],
+     "parallel.pp_layers = [2, 2]: expected empty without pipeline stages"),
+    (["parallel.pp=2", "training.grad_accum_steps=2", "metrics.eval_every=5"],
+     "metrics.eval_every = 5: expected 0 with parallel.pp = 2: validation through pipeline"),
+    (["parallel.pp_schedule=\"gpipe\""], "parallel.pp_schedule"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("overrides", "message"), PIPELINE_REFUSALS)
+def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, message):
+    from europa.core.errors import ConfigError
+    from europa.core.session import open_session
+
+    with pytest.raises(ConfigError) as err:
+        open_session("tiny", overrides, [])
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_stages_beside_other_axes_or_techniques_are_refused_before_any_rank_starts():
+    from europa.core.errors import ConfigError, LaunchError
+    from europa.core.launch.distributed import check_pipeline_axes, mesh_shape
+    from europa.core.pipeline.runner import check_pipeline_plugins
+    from europa.core.session import open_session
+
+    config, _ = open_session("tiny", ["parallel.pp=2", "training.grad_accum_steps=2"], [])
+    with pytest.raises(LaunchError) as err:
+        check_pipeline_axes(mesh_shape(config.parallel, 4))
+    assert str(err.value) == (
+        "parallel.pp = 2 with parallel.dp_shard = 2: expected 1; stages inside "
+        "data-parallel or expert-parallel groups are not built yet"
+    )
+    config, plugins = open_session(
+        "tiny", ["parallel.pp=2", "training.grad_accum_steps=2"], ["offload"]
+    )
+    with pytest.raises(ConfigError, match=r"with plugins \['offload'\]: expected core's"):
+        check_pipeline_plugins(config, plugins)

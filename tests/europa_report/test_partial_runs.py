@@ -32,7 +32,7 @@ def test_a_run_still_going_is_reported_as_far_as_it_got(tiny_run, tmp_path):
     )
     # job.json, written when training starts, has what summary.json would have said
     assert "1.94 M total, 1.28 M active per token, 0.88 M in routed experts" in page.text
-    assert "dp_replicate=1 × dp_shard=1 × ep=1" in page.text
+    assert "pp=1 × dp_replicate=1 × dp_shard=1 × ep=1" in page.text
 
 
 def test_a_run_stopped_early_says_by_what(tiny_run, tmp_path):

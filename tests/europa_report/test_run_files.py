@@ -14,7 +14,7 @@ TOKENS_PER_STEP = 8 * 128  # tiny: batch 8 × sequence 128, one rank
 def test_job_file_and_records_hold_what_the_config_does_not_say(tiny_run):
     job = json.loads((tiny_run / "job.json").read_text())
     assert job["world_size"] == 1
-    assert job["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "ep": 1}
+    assert job["mesh"] == {"pp": 1, "dp_replicate": 1, "dp_shard": 1, "ep": 1}
     assert job["parameters"] == json.loads((tiny_run / "summary.json").read_text())["parameters"]
 
     records = [json.loads(line) for line in (tiny_run / "metrics.jsonl").read_text().splitlines()]

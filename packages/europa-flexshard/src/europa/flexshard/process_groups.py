@@ -67,13 +67,19 @@ def check_dense_group(job: PlanningJob, group: int) -> None:
         )
 
 
+def data_ranks(job: RunningJob):
+    """``[dp_replicate, dp_shard, ep]`` -> global rank, for this rank's pipeline stage (the
+    mesh's outermost axis, ``pp``, is 1 where a FlexShard layout runs)."""
+    return job.mesh["dp_replicate", "dp_shard", "ep"].mesh
+
+
 def dense_ranks(job: RunningJob) -> tuple[list[list[int]], list[list[int]]]:
     """(the groups splitting the non-expert matrices, the replica groups holding the same
     share) as global ranks. Each replica's ``dp_shard × ep`` ranks (consecutive) split them,
     or with ``flexshard.dense_group = "node"`` each node's ranks of those."""
     from europa.flexshard.exchange.nodes import split_into_nodes
 
-    blocks = [r.flatten().tolist() for r in job.mesh.mesh]  # [dp_replicate][dp_shard × ep]
+    blocks = [r.flatten().tolist() for r in data_ranks(job)]  # [dp_replicate][dp_shard × ep]
     check_dense_group(job, len(blocks[0]))
     dense_group = job.config.section(NAME).dense_group
     if dense_group == "node":
@@ -106,7 +112,7 @@ def process_groups(job: RunningJob):
         replicate, _ = dist.new_subgroups_by_enumeration(replica_ranks)
     if parallel.ep == 1:
         return shard, replicate, None
-    ranks = mesh.mesh  # [dp_replicate, dp_shard, ep] -> global rank
+    ranks = data_ranks(job)
     copies = None
     if ranks.shape[0] * ranks.shape[1] > 1:
         per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]

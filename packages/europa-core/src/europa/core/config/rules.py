@@ -26,6 +26,67 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
         raise fail("parallel.dp_shard", p.dp_shard, "-1 (all remaining ranks) or an integer > 0")
     if t.seq_len > m.max_seq_len:
         raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
+    _check_pipeline(config)
+
+
+def pipeline_stages_per_rank(schedule: str, stated: int) -> int:
+    """The stages a pipeline rank holds: as stated, else the schedule's own."""
+    return stated or (1 if schedule == "1f1b" else 2)
+
+
+def _check_pipeline(config: EuropaConfig) -> None:
+    """A schedule's stages per rank and micro-batches (torch's own conditions, checked
+    before any rank starts), and a stated cut."""
+    m, t, p = config.model, config.training, config.parallel
+    per_rank = pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    allowed = {"1f1b": "1", "zbv": "2", "dualpipev": "2"}.get(p.pp_schedule)
+    if allowed is not None and per_rank != int(allowed):
+        raise fail("parallel.pp_stages_per_rank", per_rank, f"{allowed} for {p.pp_schedule}")
+    if p.pp_schedule == "interleaved-1f1b" and per_rank < 2:
+        raise fail("parallel.pp_stages_per_rank", per_rank, "2 or more for interleaved-1f1b")
+    if p.pp == 1:
+        if p.pp_layers:
+            raise fail("parallel.pp_layers", p.pp_layers, "empty without pipeline stages")
+        return
+    if config.metrics.eval_every:
+        raise fail(
+            "metrics.eval_every",
+            config.metrics.eval_every,
+            f"0 with parallel.pp = {p.pp}: validation through pipeline stages is not built yet",
+        )
+    stages, micro = p.pp * per_rank, t.grad_accum_steps
+    if stages > m.n_layers:
+        raise fail(
+            "parallel.pp",
+            p.pp,
+            f"at most model.n_layers ({m.n_layers}) stages in all; {p.pp} ranks × "
+            f"{per_rank} stages each is {stages}",
+        )
+    if p.pp_schedule in ("1f1b", "dualpipev") and micro < stages:
+        raise fail(
+            "training.grad_accum_steps",
+            micro,
+            f"at least the {stages} stages, as {p.pp_schedule} needs one micro-batch a stage",
+        )
+    rounds = max(1, micro // p.pp)
+    if p.pp_schedule == "interleaved-1f1b" and micro % rounds:
+        raise fail(
+            "training.grad_accum_steps",
+            micro,
+            f"a multiple of its rounds ({rounds} = micro-batches // parallel.pp), as "
+            "interleaved-1f1b needs",
+        )
+    if p.pp_layers and (
+        len(p.pp_layers) != stages
+        or any(n < 1 for n in p.pp_layers)
+        or sum(p.pp_layers) != m.n_layers
+    ):
+        raise fail(
+            "parallel.pp_layers",
+            p.pp_layers,
+            f"{stages} positive layer counts, one a stage, summing to model.n_layers "
+            f"({m.n_layers})",
+        )
 
 
 _EXCHANGE_DEFAULTS = {

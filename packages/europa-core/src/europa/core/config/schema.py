@@ -129,6 +129,29 @@ class ParallelConfig:
         doc="under full activation checkpointing, keep the expert exchanges' results as saved "
         "tensors so the recomputed forward sends nothing",
     )
+    pp: int = setting(
+        1,
+        gt=0,
+        doc="pipeline ranks: the model's layers cut into stages over this many ranks (the "
+        "outermost mesh axis); each stage's ranks run torch's pipeline schedule",
+    )
+    pp_schedule: str = setting(
+        "1f1b",
+        choices=("1f1b", "interleaved-1f1b", "zbv", "dualpipev"),
+        doc="torch.distributed.pipelining schedule; its micro-batches are "
+        "training.grad_accum_steps",
+    )
+    pp_stages_per_rank: int = setting(
+        0,
+        ge=0,
+        doc="stages each pipeline rank holds; 0: the schedule's (1 for 1f1b, 2 for the "
+        "others); interleaved-1f1b takes 2 or more, zbv and dualpipev exactly 2",
+    )
+    pp_layers: list[int] = setting(
+        [],
+        doc="layers per stage, in order (as many as stages); empty: cut balanced by each "
+        "layer's compute, the embedding and the head counted too",
+    )
     backend: str = setting("auto", choices=("auto", "gloo", "nccl"))
     device: str = setting("auto", choices=("auto", "cpu", "cuda"))
     collective_timeout_s: float = setting(

@@ -21,7 +21,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from europa.core.config.schema import ParallelConfig
 from europa.core.errors import LaunchError
 
-MESH_AXES = ("dp_replicate", "dp_shard", "ep")
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep")
+DATA_AXES = MESH_AXES[1:]  # the ranks of one pipeline stage: each reads its own data
 
 
 @dataclass(frozen=True)
@@ -84,22 +85,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int]:
-    """(dp_replicate, dp_shard, ep) for this many ranks, or a LaunchError."""
-    others = parallel.dp_replicate * parallel.ep
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int, int]:
+    """(pp, dp_replicate, dp_shard, ep) for this many ranks, or a LaunchError."""
+    others = parallel.pp * parallel.dp_replicate * parallel.ep
+    # pp is named only where it is set: most runs have no pipeline
+    pp = "parallel.pp × " if parallel.pp > 1 else ""
     if parallel.dp_shard == -1:
         if world_size % others:
             raise LaunchError(
-                f"parallel.dp_replicate × parallel.ep = {others}: expected a divisor of the "
-                f"{world_size} ranks"
+                f"{pp}parallel.dp_replicate × parallel.ep = {others}: expected a divisor of "
+                f"the {world_size} ranks"
             )
-        return parallel.dp_replicate, world_size // others, parallel.ep
+        return parallel.pp, parallel.dp_replicate, world_size // others, parallel.ep
     if others * parallel.dp_shard != world_size:
         raise LaunchError(
-            f"parallel.dp_replicate × parallel.dp_shard × parallel.ep = "
+            f"{pp}parallel.dp_replicate × parallel.dp_shard × parallel.ep = "
             f"{others * parallel.dp_shard}: expected the {world_size} ranks"
         )
-    return parallel.dp_replicate, parallel.dp_shard, parallel.ep
+    return parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.ep
+
+
+def check_pipeline_axes(shape: tuple[int, int, int, int]) -> None:
+    """Pipeline stages run on their own for now: no data or expert axis beside them."""
+    pp, *others = shape
+    if pp > 1 and any(size > 1 for size in others):
+        named = ", ".join(f"parallel.{axis} = {size}" for axis, size in
+                          zip(DATA_AXES, others, strict=True) if size > 1)  # fmt: skip
+        raise LaunchError(
+            f"parallel.pp = {pp} with {named}: expected 1; stages inside data-parallel or "
+            "expert-parallel groups are not built yet"
+        )
 
 
 def ranks_per_node(parallel: ParallelConfig, world_size: int, launcher_says: int = 0) -> int:
@@ -196,6 +211,7 @@ def init_distributed(
 ) -> tuple[torch.device, DeviceMesh]:
     """Start the process group and build the named mesh for this process."""
     shape = mesh_shape(parallel, place.world_size)
+    check_pipeline_axes(shape)
     device = pick_device(parallel, place.local_rank)
     # A lone process rendezvous with itself on a free local port; launched ranks
     # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.
@@ -246,14 +262,23 @@ def restarted_group_store(world_size: int, environ: dict[str, str] | None = None
 
 
 def data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
-    """(rank, size) of this process among the ranks reading different data: all of them.
+    """(rank, size) of this process among the ranks reading different data: all of them
+    but a pipeline's, whose stages read the same.
 
     Expert parallelism splits the experts, not the data: as in torchtitan, where
     the ep ranks are data-parallel ranks too, each ep rank trains on its own
     sequences and sends their tokens to the ranks owning their experts."""
-    replicate, shard, ep = (mesh[axis] for axis in MESH_AXES)
+    replicate, shard, ep = (mesh[axis] for axis in DATA_AXES)
     rank = (replicate.get_local_rank() * shard.size() + shard.get_local_rank()) * ep.size()
     return rank + ep.get_local_rank(), replicate.size() * shard.size() * ep.size()
+
+
+def data_group(mesh: DeviceMesh):
+    """The process group of the ranks holding the same layers and reading different data:
+    None (every rank) without pipeline stages, else this stage's data-parallel ranks."""
+    if mesh["pp"].size() == 1:
+        return None
+    return mesh[DATA_AXES]._flatten("data").get_group()
 
 
 def shutdown() -> None:

@@ -33,6 +33,7 @@ from europa.core.launch.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
+    check_pipeline_axes,
     detect_launcher,
     free_port,
     mesh_shape,
@@ -85,7 +86,11 @@ def preflight(
     ``local_ranks`` (default: all of them) is how many of the ranks share this machine."""
     import torch
 
-    mesh_shape(config.parallel, world_size)
+    check_pipeline_axes(mesh_shape(config.parallel, world_size))
+    if config.parallel.pp > 1:
+        from europa.core.pipeline.runner import check_pipeline_plugins
+
+        check_pipeline_plugins(config, plugins)
     per_node = local_ranks if local_ranks is not None else world_size
     job = Job(config=config, run_dir=Path("."), world_size=world_size, ranks_per_node=per_node)
     check_node_layout(config.parallel, world_size, job.node_size)
@@ -105,7 +110,7 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
-        check_global_batch(path, config.training, world_size)
+        check_global_batch(path, config.training, world_size // config.parallel.pp)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec

@@ -43,23 +43,24 @@ class ExpertLoad:
         }
 
 
-def _global_counts(model: nn.Module) -> tuple[list[tuple[str, MoE]], torch.Tensor]:
+def _global_counts(model: nn.Module, group=None) -> tuple[list[tuple[str, MoE]], torch.Tensor]:
     layers = moe_layers(model)
     if not layers:
         return layers, torch.zeros(0, 0)
     counts = torch.stack([moe.tokens_per_expert_E.detach().float() for _, moe in layers])
     if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     return layers, counts
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module) -> ExpertLoad:
-    """Sum this step's counts over ranks, move the biases, reset the counts.
+def update_expert_bias(model: nn.Module, group=None) -> ExpertLoad:
+    """Sum this step's counts over the ranks of ``group`` (default: all; under pipeline
+    stages, the ranks holding the same layers), move the biases, reset the counts.
 
     Call once per optimizer step on every rank (it is a collective, except in
     a model without MoE layers, where there is nothing to do)."""
-    layers, counts = _global_counts(model)
+    layers, counts = _global_counts(model, group)
     totals = counts.sum(dim=1, keepdim=True).clamp_min(1.0)
     shares = counts / totals
     for (_, moe), layer_counts in zip(layers, counts, strict=True):

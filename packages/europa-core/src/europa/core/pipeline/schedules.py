@@ -54,13 +54,18 @@ def build_schedule(
     group,
     micro_batches: int,
     loss_fn: Callable,
+    shapes: Callable[[int], dict[str, torch.Tensor | None]] | None = None,
 ):
     """The schedule over this rank's ``(stage index, module)`` pairs. Gradients are
-    summed over the micro-batches as they come (``scale_grads=False``): ``loss_fn`` scales."""
-    stages = [
-        PipelineStage(module, index, num_stages, device, group=group)
-        for index, module in stage_modules
-    ]
+    summed over the micro-batches as they come (``scale_grads=False``): ``loss_fn`` scales.
+    ``shapes(index)``: a stage's input and output for one micro-batch and their gradients
+    (meta tensors; ``PipelineStage``'s keywords), so that torch does not run the stage's
+    forward once more to learn them (a model that counts its tokens, as the MoE router
+    does, would count that micro-batch twice)."""
+    stages = []
+    for index, module in stage_modules:
+        given = {} if shapes is None else shapes(index)
+        stages.append(PipelineStage(module, index, num_stages, device, group=group, **given))
     cls = SCHEDULES[schedule]
     if schedule in SINGLE_STAGE:
         return cls(stages[0], micro_batches, loss_fn=loss_fn, scale_grads=False), stages

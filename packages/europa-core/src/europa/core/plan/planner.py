@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from europa.core.config.schema import EuropaConfig
-from europa.core.errors import PluginError, ResourceError
+from europa.core.errors import ConfigError, PluginError, ResourceError
 from europa.core.job import Job
 from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
@@ -226,7 +226,12 @@ def make_plan(
     """``ranks_per_node``: the nodes the ranks form (default: ``parallel.ranks_per_node``,
     else the profile's ``gpus_per_node``). ``shapes``: the model's, read once by a caller
     that plans many layouts of one model (reading them walks the whole module tree)."""
-    mesh = mesh_shape(config.parallel, world_size)
+    if config.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp = {config.parallel.pp}: expected 1; the planner does not plan "
+            "pipeline stages yet"
+        )
+    mesh = mesh_shape(config.parallel, world_size)[1:]
     job = Job(
         config=config,
         run_dir=Path("."),
@@ -252,7 +257,7 @@ def plugin_plan(
 ) -> PlanMapping:
     """The ``plan`` mapping after every enabled plugin's ``europa_plan``: core's
     FSDP2 layout unless a layout plugin replaced it."""
-    replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
+    _, replicate, shard, ep = mesh_shape(job.config.parallel, job.world_size)
     form = data_parallel_form(replicate, shard, job.config.training.dtype)
     plan: PlanMapping = {
         "world_size": job.world_size,

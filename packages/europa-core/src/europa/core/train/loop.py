@@ -29,6 +29,7 @@ from europa.core.launch.distributed import (
     ProcessPlace,
     check_node_layout,
     check_node_numbering,
+    data_group,
     data_parallel_coordinates,
     init_distributed,
     routed_model,
@@ -38,6 +39,7 @@ from europa.core.launch.faults import reporting_faults
 from europa.core.launch.progress import LOST_CONTACT, RankProgress
 from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser
+from europa.core.pipeline.split import split_model
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
 from europa.core.train import metrics
@@ -73,10 +75,14 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(value.item())
 
 
-def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
-    """One micro-batch's forward and its loss: cross-entropy in fp32 over every position."""
-    logits = model(inputs)
+def logits_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy in fp32 over every position."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def next_token_loss(model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor):
+    """One micro-batch's forward and its loss."""
+    return logits_loss(model(inputs), labels)
 
 
 class Trainer:
@@ -103,6 +109,15 @@ class Trainer:
         hook = plugins.hook
         model = hook.europa_build_model(job=job)
         self.counts = count_parameters(model)
+        stage_names = None
+        if cfg.parallel.pp > 1:  # this rank keeps only its stages' modules
+            from europa.core.pipeline import runner as pipeline
+
+            pipeline.check_pipeline_plugins(cfg, plugins)
+            stage_names = pipeline.stage_names(cfg, model)
+            mine = pipeline.rank_stages(cfg, job.mesh["pp"].get_local_rank(), len(stage_names))
+            model = split_model(model, pipeline.rank_module_names(stage_names, mine))
+        self.data_group = data_group(job.mesh)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model,
                    ranks_per_node=job.node_size)  # fmt: skip
@@ -114,6 +129,9 @@ class Trainer:
             self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
+        self.pipeline = None
+        if stage_names is not None:
+            self.pipeline = pipeline.PipelineRun(job, model, stage_names, logits_loss)
         built, self.state = build_optimizer(job, plugins, model)
         self.optimizer = job.optimizer
         self.background = (
@@ -127,6 +145,7 @@ class Trainer:
         )
         self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
         dp_rank, dp_world = data_parallel_coordinates(job.mesh)
+        self.data_ranks = dp_world
         self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
@@ -144,10 +163,17 @@ class Trainer:
         mesh = " × ".join(
             f"{n}={s}" for n, s in zip(job.mesh.mesh_dim_names, job.mesh.shape, strict=True)
         )
+        stages = ""
+        if self.pipeline is not None:
+            p = job.config.parallel
+            stages = (
+                f"; {self.pipeline.num_stages} pipeline stages ({p.pp_schedule}), which the "
+                "planner does not plan yet: memory was not checked before training"
+            )
         return (
             f"europa: {job.config.run.name}: {counts.total / 1e6:.2f} M parameters "
             f"({counts.active_per_token / 1e6:.2f} M active per token); {job.world_size} "
-            f"rank(s), mesh {mesh}, {job.device.type}; run directory {job.run_dir}"
+            f"rank(s), mesh {mesh}, {job.device.type}; run directory {job.run_dir}{stages}"
         )
 
     # -- state ---------------------------------------------------------------------------
@@ -166,7 +192,7 @@ class Trainer:
         path = self.resume_from
         damaged: dict[Path, str] = {}  # what loading found, by checkpoint
         while True:
-            check_global_batch(path, self.job.config.training, self.job.world_size)
+            check_global_batch(path, self.job.config.training, self.data_ranks)
             try:
                 state = checkpoint.load_checkpoint(path, self.state, self._trainer_state(0))
                 break
@@ -196,7 +222,7 @@ class Trainer:
         write (``"sync"``), or the staging copy and any wait for the save before it."""
         self.progress.mark("saving", step)
         cfg = self.job.config.checkpoint
-        record = {GLOBAL_BATCH: global_batch(self.job.config.training, self.job.world_size)}
+        record = {GLOBAL_BATCH: global_batch(self.job.config.training, self.data_ranks)}
         started = time.perf_counter()
         if self.background is None:
             checkpoint.save_checkpoint(
@@ -228,6 +254,12 @@ class Trainer:
 
     def _forward_backward(self, step: int) -> torch.Tensor:
         accum = self.job.config.training.grad_accum_steps
+        if self.pipeline is not None:
+            pairs = [self.batches.source.batch(step, micro) for micro in range(accum)]
+            inputs, labels = (
+                torch.cat(part).to(self.job.device) for part in zip(*pairs, strict=True)
+            )
+            return self.pipeline.forward_backward(inputs, labels)
         total = torch.zeros((), device=self.job.device)
         for micro in range(accum):
             inputs, labels = (t.to(self.job.device) for t in self.batches.source.batch(step, micro))
@@ -250,7 +282,9 @@ class Trainer:
                     stack.enter_context(manager)
             loss = self._forward_backward(step)
             grad_norm = self._clip()
-            load = update_expert_bias(self.model)
+            load = update_expert_bias(self.model, self.data_group)
+            if self.pipeline is not None:
+                load = self.pipeline.whole_model_load(load)
             lr = self.scheduler.get_last_lr()[0]
             skipped = self.skipped.skips(step, grad_norm)
             if not skipped:

@@ -103,7 +103,8 @@ def europa_init_parameters(
 def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float:
     from europa.core.train.gradients import clip_gradients
 
-    return clip_gradients(model, max_norm)
+    pipeline = job.mesh["pp"]
+    return clip_gradients(model, max_norm, pipeline.get_group() if pipeline.size() > 1 else None)
 
 
 @hookimpl(trylast=True)

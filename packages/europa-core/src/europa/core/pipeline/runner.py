@@ -1,0 +1,148 @@
+"""One rank's part of a pipeline: its stages of the model and torch's schedule over them.
+
+Design note. The rank holds one module, ``model``: the whole model with every module
+but its stages' deleted (``split_model``), placed, initialised and optimised like any
+model, so its parameters keep the whole model's names and a checkpoint saved with one
+cut loads with another. Each stage the schedule runs is a *view* of it: a shallow copy of
+the decoder whose ``layers`` hold only that stage's layer objects (the same ones) and
+whose embedding, norm and head are there only in the first and the last stage. The
+schedule's forward and backward therefore fill the rank module's gradients.
+
+The schedule takes the step's micro-batches in one batch and splits it into them along
+the batch dimension, in order: the same micro-batches, in the same order, as the
+trainer's own loop. Its loss function divides by their number and its gradients are
+summed (``scale_grads=False``), as the trainer's ``(loss / accum).backward()`` does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from europa.core.config.rules import pipeline_stages_per_rank
+from europa.core.model.load_balance import ExpertLoad
+from europa.core.pipeline.cut import LAYERS, model_cut, stage_module_names, stated_cut
+from europa.core.pipeline.schedules import build_schedule, stages_of_rank
+
+
+def stage_names(config, model: nn.Module) -> list[list[str]]:
+    """Every stage's module names: the configured cut, else the balanced one."""
+    from europa.core.plan.timing import attention_flops_per_token
+
+    p, m = config.parallel, config.model
+    stages = p.pp * pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    keys = list(getattr(model, LAYERS).keys())
+    if p.pp_layers:
+        cut = stated_cut(p.pp_layers, len(keys))
+    else:
+        attention = attention_flops_per_token(m, config.training.seq_len) // m.n_layers
+        cut = model_cut(model, stages, attention, m.top_k, m.num_experts)
+    return stage_module_names(cut, keys)
+
+
+def rank_stages(config, pp_rank: int, num_stages: int) -> list[int]:
+    p = config.parallel
+    per_rank = pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    return stages_of_rank(p.pp_schedule, pp_rank, p.pp, per_rank)
+
+
+def rank_module_names(names: Sequence[Sequence[str]], stages: Sequence[int]) -> list[str]:
+    """The modules of all this rank's stages."""
+    return [name for i in stages for name in names[i]]
+
+
+def stage_view(model: nn.Module, keep: Sequence[str]) -> nn.Module:
+    """A decoder sharing ``model``'s modules, holding only ``keep`` of them."""
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    wanted = set(keep)
+    layers = getattr(model, LAYERS)
+    view._modules[LAYERS] = type(layers)(
+        {key: layer for key, layer in layers.items() if f"{LAYERS}.{key}" in wanted}
+    )
+    for name in view._modules:
+        if name != LAYERS and name not in wanted:
+            view._modules[name] = None
+    return view
+
+
+class PipelineRun:
+    """This rank's stages of ``model`` (the rank module) and the schedule over them."""
+
+    def __init__(self, job, model: nn.Module, names: Sequence[Sequence[str]], loss_fn) -> None:
+        config = job.config
+        self.group = job.mesh["pp"].get_group()
+        pp_rank = job.mesh["pp"].get_local_rank()
+        self.num_stages = num_stages = len(names)
+        self.stages = rank_stages(config, pp_rank, num_stages)
+        self.first, self.last = 0 in self.stages, num_stages - 1 in self.stages
+        micro = config.training.grad_accum_steps
+        views = [(i, stage_view(model, names[i])) for i in self.stages]
+
+        def scaled_loss(logits, labels):
+            return loss_fn(logits, labels) / micro
+
+        batch, seq = config.training.batch_size, config.training.seq_len
+        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+        def shapes(index: int) -> dict[str, torch.Tensor | None]:
+            hidden = torch.empty(batch, seq, config.model.dim, dtype=dtype, device="meta")
+            first, last = index == 0, index == num_stages - 1
+            out = hidden
+            if last:
+                vocab = config.model.vocab_size
+                out = torch.empty(batch, seq, vocab, dtype=dtype, device="meta")
+            tokens = torch.empty(batch, seq, dtype=torch.long, device="meta")
+            return {  # a stage's hidden input needs its gradient: the stage before sends it
+                "input_args": tokens if first else hidden.clone().requires_grad_(),
+                "output_args": out,
+                "input_grads": (None,) if first else hidden,
+                "output_grads": (None,) if last else hidden,
+            }
+
+        self.schedule, _ = build_schedule(
+            config.parallel.pp_schedule, views, num_stages, job.device, self.group, micro,
+            scaled_loss, shapes,
+        )  # fmt: skip
+
+    def whole_model_load(self, load: ExpertLoad) -> ExpertLoad:
+        """Every stage's expert loads (each rank measured its own layers'), on every rank."""
+        parts: list[dict] = [{} for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather_object(parts, load.shares, group=self.group)
+        return ExpertLoad({layer: row for part in parts for layer, row in part.items()})
+
+    def forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The step's micro-batches (stacked along the batch) through the schedule; the
+        step's loss (the mean over micro-batches) on every rank of the pipeline."""
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.first else ()
+        self.schedule.step(*args, target=labels if self.last else None,
+                           losses=losses if self.last else None)  # fmt: skip
+        total = torch.zeros((), device=inputs.device)
+        for loss in losses:
+            total += loss.detach()
+        dist.all_reduce(total, group=self.group)  # only the last stage's rank holds it
+        return total
+
+
+def check_pipeline_plugins(config, plugins) -> None:
+    """Pipeline stages run core's layout only for now: a technique plugin is refused."""
+    from europa.core.errors import ConfigError
+
+    enabled = [info.name for info in plugins.plugins() if info.enabled and not info.builtin]
+    if enabled:
+        raise ConfigError(
+            f"parallel.pp = {config.parallel.pp} with plugins {enabled}: expected core's "
+            "layout alone; techniques inside pipeline stages are not built yet"
+        )
+
+
+def total_norm_over_pipeline(local_norm: torch.Tensor, group) -> torch.Tensor:
+    """The 2-norm of gradients split over a pipeline's ranks, from each rank's own."""
+    squared = local_norm.detach().double() ** 2
+    dist.all_reduce(squared, group=group)
+    return squared.sqrt().to(local_norm.dtype)
