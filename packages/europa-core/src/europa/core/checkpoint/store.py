@@ -29,7 +29,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.stateful import Stateful
 
 from europa.core.checkpoint.checksums import ChecksummingWriter, file_problem
@@ -212,6 +216,12 @@ def _quiet_when_alone():
         yield
 
 
+# The optimizer's parameter groups keyed by parameter name, each rank's under its own
+# keys: nested, they are one object every rank saves under the same key, and DCP keeps
+# only one rank's, so a rank of another pipeline cut found no group for its parameters.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class TorchDistributedState:
     """Core's checkpoint state: torch's ``get_state_dict``/``set_state_dict``,
     which understand plain modules and FSDP2's DTensors."""
@@ -221,7 +231,7 @@ class TorchDistributedState:
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=FLAT)
         return {"model": model_state, "optim": optim_state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -230,6 +240,7 @@ class TorchDistributedState:
             self.optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optim"],
+            options=FLAT,
         )
 
 

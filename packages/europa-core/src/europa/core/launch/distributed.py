@@ -106,13 +106,14 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int
 
 
 def check_pipeline_axes(shape: tuple[int, int, int, int]) -> None:
-    """Pipeline stages run on their own for now: no data or expert axis beside them."""
-    pp, *others = shape
-    if pp > 1 and any(size > 1 for size in others):
+    """Pipeline stages have sharded data-parallel ranks beside them (FSDP2), for now no
+    replicas and no expert parallelism."""
+    pp, replicate, _, ep = shape
+    if pp > 1 and (replicate > 1 or ep > 1):
         named = ", ".join(f"parallel.{axis} = {size}" for axis, size in
-                          zip(DATA_AXES, others, strict=True) if size > 1)  # fmt: skip
+                          (("dp_replicate", replicate), ("ep", ep)) if size > 1)  # fmt: skip
         raise LaunchError(
-            f"parallel.pp = {pp} with {named}: expected 1; stages inside data-parallel or "
+            f"parallel.pp = {pp} with {named}: expected 1; stages beside replicas or "
             "expert-parallel groups are not built yet"
         )
 

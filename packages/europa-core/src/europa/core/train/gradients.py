@@ -14,6 +14,8 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, pipeline_group=None)
         from europa.core.pipeline.runner import total_norm_over_pipeline
 
         local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
+        if hasattr(local, "full_tensor"):  # sharded within the stage
+            local = local.full_tensor()
         norm = total_norm_over_pipeline(local, pipeline_group)
         if max_norm > 0:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)

@@ -85,6 +85,14 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     policy = mixed_precision(dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
+    if job.mesh["pp"].size() > 1:
+        # Pipeline stages run views of this module (europa.core.pipeline.runner), never its
+        # own forward, so the root's hooks would not run: each part is a unit of its own.
+        for name in ("tok_embeddings", "norm", "lm_head"):
+            part = getattr(model, name, None)
+            if part is not None:
+                fully_shard(part, mesh=mesh, mp_policy=policy)
+        return model
     fully_shard(model, mesh=mesh, mp_policy=policy)
     return model
 
