@@ -63,7 +63,7 @@ def _layouts(rank: int, world: int, replicas: int) -> dict[str, str]:
     from torch.distributed.tensor import DTensor
 
     mesh = init_device_mesh(
-        "cpu", (replicas, world // replicas), mesh_dim_names=("dp_replicate", "dp_shard")
+        "cpu", (1, replicas, world // replicas), mesh_dim_names=("pp", "dp_replicate", "dp_shard")
     )
     layouts = {}
     for dtype in ("float32", "bfloat16"):

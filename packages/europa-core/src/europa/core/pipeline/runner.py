@@ -87,7 +87,7 @@ class PipelineRun:
             return loss_fn(logits, labels) / micro
 
         batch, seq = config.training.batch_size, config.training.seq_len
-        dtype = next(p.dtype for p in model.parameters() if p.is_floating_point())
+        dtype = getattr(torch, config.training.dtype)  # what flows between stages
 
         def shapes(index: int) -> dict[str, torch.Tensor | None]:
             hidden = torch.empty(batch, seq, config.model.dim, dtype=dtype, device="meta")
