@@ -247,8 +247,8 @@ def test_stages_beside_other_axes_or_techniques_are_refused_before_any_rank_star
     with pytest.raises(LaunchError) as err:
         check_pipeline_axes(mesh_shape(config.parallel, 4))
     assert str(err.value) == (
-        "parallel.pp = 2 with parallel.ep = 2: expected 1; stages beside replicas or "
-        "expert-parallel groups are not built yet"
+        "parallel.pp = 2 with parallel.ep = 2: expected 1; stages beside expert-parallel "
+        "groups are not built yet"
     )
     config, plugins = open_session(
         "tiny", ["parallel.pp=2", "training.grad_accum_steps=2"], ["offload"]
@@ -261,7 +261,7 @@ def _sharded_stage_runs():
     from tests.trainer_runs import Run
 
     # 16 sequences a step: FSDP2 over 4 ranks × 1 × 4 micro-batches, or 2 stages each
-    # sharded over 2 ranks × 2 × 4
+    # sharded (or replicated) over 2 ranks × 2 × 4
     reference = Run("fsdp4", [*SAME_BATCH, "training.batch_size=1", "training.grad_accum_steps=4"])
     staged = [*SAME_BATCH, "parallel.pp=2", "training.batch_size=2", "training.grad_accum_steps=4"]
     four_stages = [*SAME_BATCH, "parallel.pp=4", "training.batch_size=4",
@@ -269,6 +269,9 @@ def _sharded_stage_runs():
     return [reference, *(Run(f"pp2-fsdp2-{schedule}", [*staged,
                                                      f'parallel.pp_schedule="{schedule}"'])
                          for schedule in ("1f1b", "interleaved-1f1b")),
+            # replicas beside stages: FSDP2's HSDP on a (2, 1) mesh (DDP would hook the
+            # rank module's forward, which stages never run)
+            Run("pp2-replicas", [*staged, "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
             # the pp=2 checkpoint of step 6, resumed on 4 stages and without stages
             Run("pp4-from-pp2", four_stages, resume_from="pp2-fsdp2-1f1b"),
             Run("fsdp4-from-pp2", reference.overrides, resume_from="pp2-fsdp2-1f1b")]  # fmt: skip
@@ -281,10 +284,10 @@ def test_stages_sharded_by_fsdp2_train_as_fsdp2_alone_does_and_resume_on_4_stage
     records = ranks(train_runs, 4, str(tmp_path), _sharded_stage_runs(), timeout=300)[0]
     losses = {name: [r["loss"] for r in rows if "loss" in r] for name, rows in records.items()}
     reference = losses["fsdp4"]
-    for schedule in ("1f1b", "interleaved-1f1b"):
-        curve = losses[f"pp2-fsdp2-{schedule}"]
+    for name in ("pp2-fsdp2-1f1b", "pp2-fsdp2-interleaved-1f1b", "pp2-replicas"):
+        curve = losses[name]
         worst = max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True))
-        assert worst <= 1e-5, (schedule, worst, curve, reference)
+        assert worst <= 1e-5, (name, worst, curve, reference)
     for resumed in ("pp4-from-pp2", "fsdp4-from-pp2"):
         tail = losses[resumed][6:]
         worst = max(abs(a - b) / abs(b) for a, b in zip(tail, reference[6:], strict=True))

@@ -106,14 +106,12 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int
 
 
 def check_pipeline_axes(shape: tuple[int, int, int, int]) -> None:
-    """Pipeline stages have sharded data-parallel ranks beside them (FSDP2), for now no
-    replicas and no expert parallelism."""
-    pp, replicate, _, ep = shape
-    if pp > 1 and (replicate > 1 or ep > 1):
-        named = ", ".join(f"parallel.{axis} = {size}" for axis, size in
-                          (("dp_replicate", replicate), ("ep", ep)) if size > 1)  # fmt: skip
+    """Pipeline stages have data-parallel ranks beside them (FSDP2 or HSDP), for now no
+    expert parallelism."""
+    pp, _, _, ep = shape
+    if pp > 1 and ep > 1:
         raise LaunchError(
-            f"parallel.pp = {pp} with {named}: expected 1; stages beside replicas or "
+            f"parallel.pp = {pp} with parallel.ep = {ep}: expected 1; stages beside "
             "expert-parallel groups are not built yet"
         )
 

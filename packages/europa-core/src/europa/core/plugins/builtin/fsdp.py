@@ -75,6 +75,9 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     job.claim(OWNER, (name for name, _ in model.named_parameters()))
     replicas = job.mesh["dp_replicate"]
     form = data_parallel_form(replicas.size(), job.mesh["dp_shard"].size(), dtype)
+    staged = job.mesh["pp"].size() > 1
+    if staged and form == "ddp":  # DDP hooks the module's forward, which stages never run
+        form = "hsdp"
     if form == "ddp":
         from torch.distributed._composable.replicate import replicate
 
@@ -85,7 +88,7 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     policy = mixed_precision(dtype)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, mp_policy=policy)
-    if job.mesh["pp"].size() > 1:
+    if staged:
         # Pipeline stages run views of this module (europa.core.pipeline.runner), never its
         # own forward, so the root's hooks would not run: each part is a unit of its own.
         for name in ("tok_embeddings", "norm", "lm_head"):
