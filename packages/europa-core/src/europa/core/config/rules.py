@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from europa.core.config.values import fail
+from europa.core.pipeline.kinds import fixed_stages_per_rank, stages_per_rank
 
 if TYPE_CHECKING:
     from europa.core.config.schema import EuropaConfig
@@ -29,21 +30,16 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
     _check_pipeline(config)
 
 
-def pipeline_stages_per_rank(schedule: str, stated: int) -> int:
-    """The stages a pipeline rank holds: as stated, else the schedule's own."""
-    return stated or (1 if schedule == "1f1b" else 2)
-
-
 def _check_pipeline(config: EuropaConfig) -> None:
     """A schedule's stages per rank and micro-batches (torch's own conditions, checked
     before any rank starts), and a stated cut."""
     m, t, p = config.model, config.training, config.parallel
-    per_rank = pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
-    allowed = {"1f1b": "1", "zbv": "2", "dualpipev": "2"}.get(p.pp_schedule)
-    if allowed is not None and per_rank != int(allowed):
-        raise fail("parallel.pp_stages_per_rank", per_rank, f"{allowed} for {p.pp_schedule}")
-    if p.pp_schedule == "interleaved-1f1b" and per_rank < 2:
-        raise fail("parallel.pp_stages_per_rank", per_rank, "2 or more for interleaved-1f1b")
+    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    fixed = fixed_stages_per_rank(p.pp_schedule)
+    if fixed is not None and per_rank != fixed:
+        raise fail("parallel.pp_stages_per_rank", per_rank, f"{fixed} for {p.pp_schedule}")
+    if fixed is None and per_rank < 2:
+        raise fail("parallel.pp_stages_per_rank", per_rank, f"2 or more for {p.pp_schedule}")
     if p.pp == 1:
         if p.pp_layers:
             raise fail("parallel.pp_layers", p.pp_layers, "empty without pipeline stages")

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from europa.core.config.fields import ConfigSection, setting
+from europa.core.pipeline.kinds import SCHEDULE_NAMES
 from europa.core.seeds import MAX_SEED
 
 
@@ -137,7 +138,7 @@ class ParallelConfig:
     )
     pp_schedule: str = setting(
         "1f1b",
-        choices=("1f1b", "interleaved-1f1b", "zbv", "dualpipev"),
+        choices=SCHEDULE_NAMES,
         doc="torch.distributed.pipelining schedule; its micro-batches are "
         "training.grad_accum_steps",
     )

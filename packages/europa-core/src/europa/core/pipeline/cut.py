@@ -31,7 +31,8 @@ def module_flops_per_token(module: nn.Module, top_k: int, num_experts: int) -> i
 
 
 def layer_costs(model: nn.Module, attention_per_layer: int, top_k: int, num_experts: int):
-    """(each layer's FLOPs per token, in order; the embedding's; the head's)."""
+    """(each layer's FLOPs per token, in order; the head's). The embedding is a lookup:
+    no matrix product."""
     layers = [
         module_flops_per_token(layer, top_k, num_experts) + attention_per_layer
         for layer in getattr(model, LAYERS).values()
@@ -41,7 +42,7 @@ def layer_costs(model: nn.Module, attention_per_layer: int, top_k: int, num_expe
         for name in HEAD
         if getattr(model, name, None) is not None
     )
-    return layers, 0, head
+    return layers, head
 
 
 def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
@@ -76,10 +77,8 @@ def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
 def model_cut(
     model: nn.Module, stages: int, attention_per_layer: int, top_k: int, num_experts: int
 ) -> list[range]:
-    """The balanced cut of ``model``'s layers, the embedding counted to the first layer's
-    stage and the head to the last's."""
-    layers, embedding, head = layer_costs(model, attention_per_layer, top_k, num_experts)
-    layers[0] += embedding
+    """The balanced cut of ``model``'s layers, the head counted to the last layer's stage."""
+    layers, head = layer_costs(model, attention_per_layer, top_k, num_experts)
     layers[-1] += head
     return balanced_cut(layers, stages)
 

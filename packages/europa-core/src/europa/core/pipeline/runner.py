@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from europa.core.config.rules import pipeline_stages_per_rank
 from europa.core.model.load_balance import ExpertLoad
 from europa.core.pipeline.cut import LAYERS, model_cut, stage_module_names, stated_cut
+from europa.core.pipeline.kinds import stages_per_rank
 from europa.core.pipeline.schedules import build_schedule, stages_of_rank
 
 
@@ -34,7 +34,7 @@ def stage_names(config, model: nn.Module) -> list[list[str]]:
     from europa.core.plan.timing import attention_flops_per_token
 
     p, m = config.parallel, config.model
-    stages = p.pp * pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
     keys = list(getattr(model, LAYERS).keys())
     if p.pp_layers:
         cut = stated_cut(p.pp_layers, len(keys))
@@ -46,7 +46,7 @@ def stage_names(config, model: nn.Module) -> list[list[str]]:
 
 def rank_stages(config, pp_rank: int, num_stages: int) -> list[int]:
     p = config.parallel
-    per_rank = pipeline_stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
+    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
     return stages_of_rank(p.pp_schedule, pp_rank, p.pp, per_rank)
 
 

@@ -19,24 +19,14 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from europa.core.pipeline.kinds import SINGLE_STAGE, V_SHAPED
+
 SCHEDULES = {
     "1f1b": Schedule1F1B,
     "interleaved-1f1b": ScheduleInterleaved1F1B,
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-V_SHAPED = ("zbv", "dualpipev")
-SINGLE_STAGE = ("1f1b",)
-
-
-def stages_per_rank_allowed(schedule: str) -> tuple[int, ...] | None:
-    """The stages a rank may hold under ``schedule``: exactly one, exactly two, or (None)
-    two or more."""
-    if schedule in SINGLE_STAGE:
-        return (1,)
-    if schedule in V_SHAPED:
-        return (2,)
-    return None
 
 
 def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:

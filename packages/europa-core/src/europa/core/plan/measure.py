@@ -158,13 +158,12 @@ def model_step_of(config, device) -> tuple[Callable[[], None], nn.Module, ModelC
     return step, model, m
 
 
-def measure_model_step(config, device, sync) -> dict[str, float]:
-    """The model's own step (``model_step_of``): what its matrix multiplies, attention,
-    elementwise work and per-layer Python cost really run at."""
+def measure_model_step(built, training, sync) -> dict[str, float]:
+    """The model's own step (``built``: ``model_step_of``'s): what its matrix multiplies,
+    attention, elementwise work and per-layer Python cost really run at."""
     from europa.core.plan.timing import model_flops_per_token
 
-    step, model, m = model_step_of(config, device)
-    training = config.training
+    step, model, m = built
     dist.barrier()  # every rank computes at once, sharing the machine as training does
     seconds = timed(step, sync, dist.group.WORLD, min_repeats=MODEL_STEP_REPEATS)
     tokens = training.batch_size * training.seq_len
@@ -172,9 +171,10 @@ def measure_model_step(config, device, sync) -> dict[str, float]:
     return {"seconds": seconds, "tflops": flops / seconds / 1e12, "layers": m.n_layers}
 
 
-def measure_direct_in_step(config, nbytes: int, group, device, sync) -> dict[str, float]:
-    """``point_to_point`` at the step's cadence (``europa.core.plan.measure_direct``)."""
-    step, model, _ = model_step_of(config, device)
+def measure_direct_in_step(built, nbytes: int, group, device, sync) -> dict[str, float]:
+    """``point_to_point`` at the step's cadence (``europa.core.plan.measure_direct``) in
+    ``built``, ``model_step_of``'s step."""
+    step, model, _ = built
     blocks = list(model.layers.values())
 
     def timed_step(fn, on):
@@ -296,7 +296,8 @@ def measure(
     tokens = training.batch_size * training.seq_len
     gemms = model_gemms(model_shapes, tokens, config.model.top_k, config.model.num_experts)
     found.gemm_tflops = measure_compute(gemms, device, sync, ["float32", "bfloat16"])
-    found.model_step = measure_model_step(config, device, sync)
+    built = model_step_of(config, device)  # one model for every step timed below
+    found.model_step = measure_model_step(built, training, sync)
     messages = step_message_bytes(model_shapes, config)
     intra_group, inter_group = _node_groups(world, rank, per_node)
     profile = {
@@ -315,7 +316,7 @@ def measure(
         found.links[link] = measure_link(group, messages, device, sync)
         if dist.get_backend(group) == dist.Backend.GLOO:  # the backend that sends direct
             direct = found.links[link]["point_to_point"]
-            in_step = measure_direct_in_step(config, direct["step_bytes"], group, device, sync)
+            in_step = measure_direct_in_step(built, direct["step_bytes"], group, device, sync)
             direct |= {"alone_step_gbps": direct["step_gbps"], "in_step": in_step}
             direct["step_gbps"] = min(direct["step_gbps"], in_step["gbps"])
         gbps, efficiency, each = link_figures(found.links[link])

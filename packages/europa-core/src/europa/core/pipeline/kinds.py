@@ -1,0 +1,23 @@
+"""The pipeline schedules by name and the stages each holds a rank: facts the config
+rules read before any rank starts, so nothing here imports torch."""
+
+from __future__ import annotations
+
+SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
+SINGLE_STAGE = ("1f1b",)
+
+
+def fixed_stages_per_rank(schedule: str) -> int | None:
+    """The stages a rank must hold under ``schedule``; None: any number from 2."""
+    if schedule in SINGLE_STAGE:
+        return 1
+    if schedule in V_SHAPED:
+        return 2
+    return None
+
+
+def stages_per_rank(schedule: str, stated: int) -> int:
+    """The stages a pipeline rank holds: as stated, else the schedule's own (2 where it
+    takes any number from 2)."""
+    return stated or fixed_stages_per_rank(schedule) or 2
