@@ -238,28 +238,21 @@ def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
-def test_stages_beside_other_axes_or_techniques_are_refused_before_any_rank_starts():
-    from europa.core.errors import ConfigError, LaunchError
-    from europa.core.launch.distributed import check_pipeline_axes, mesh_shape
+def test_a_technique_not_built_for_stages_is_refused_before_any_rank_starts():
+    from europa.core.errors import ConfigError
     from europa.core.pipeline.runner import check_pipeline_plugins
     from europa.core.session import open_session
 
-    config, _ = open_session("tiny", ["parallel.pp=2", "training.grad_accum_steps=2"], [])
-    check_pipeline_axes(mesh_shape(config.parallel, 4))  # FSDP2 inside each stage
-    config, _ = open_session(
-        "tiny", ["parallel.pp=2", "training.grad_accum_steps=2", "parallel.ep=2"], []
-    )
-    with pytest.raises(LaunchError) as err:
-        check_pipeline_axes(mesh_shape(config.parallel, 4))
-    assert str(err.value) == (
-        "parallel.pp = 2 with parallel.ep = 2: expected 1; stages beside expert-parallel "
-        "groups are not built yet"
-    )
-    config, plugins = open_session(
-        "tiny", ["parallel.pp=2", "training.grad_accum_steps=2"], ["offload"]
-    )
-    with pytest.raises(ConfigError, match=r"with plugins \['offload'\]: expected core's"):
+    staged = ["parallel.pp=2", "training.grad_accum_steps=2"]
+    config, plugins = open_session("tiny", staged, ["flexshard", "overlap", "offload"])
+    check_pipeline_plugins(config, plugins)  # tests/europa_core/test_pipeline_techniques.py
+    config, plugins = open_session("tiny", staged, ["overlap"])
+    with pytest.raises(ConfigError) as err:
         check_pipeline_plugins(config, plugins)
+    assert str(err.value) == (
+        "parallel.pp = 2 with plugin overlap over core's FSDP2: expected flexshard beside "
+        "it; FSDP2's prefetch between pipeline stage parts is not built"
+    )
 
 
 def _sharded_stage_runs():

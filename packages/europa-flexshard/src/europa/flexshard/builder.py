@@ -40,9 +40,26 @@ from europa.spec.plan_layout import ROOT_UNIT
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """Each entry of ``model.layers`` (a ModuleDict or ModuleList), then the root."""
+    return [*_blocks(model), model]
+
+
+def stage_units(model: nn.Module) -> list[nn.Module]:
+    """A pipeline stage's units: each block, then each other child of the root holding
+    parameters (the embedding, the norm, the head). A stage runs the root's forward once
+    per micro-batch in flight, so the root's parts are gathered and freed like a block's."""
+    blocks = _blocks(model)
     layers = getattr(model, "layers", None)
-    blocks = list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
-    return [*blocks, model]
+    others = [
+        child
+        for child in model.children()
+        if child is not layers and any(True for _ in child.parameters())
+    ]
+    return [*blocks, *others]
+
+
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    layers = getattr(model, "layers", None)
+    return list(layers.values() if isinstance(layers, nn.ModuleDict) else layers or [])
 
 
 def _groups(

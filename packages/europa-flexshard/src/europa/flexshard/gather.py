@@ -27,6 +27,9 @@ embedding, norm and head) is gathered the way FSDP2 gathers one:
   the sum travels beside the rest of that backward; else after it
   (``reduce_replicas``). ``europa.flexshard.once_a_step`` keeps that count.
 
+Each forward holds its own full tensors until its backward (``_Gathered``): a pipeline
+runs several micro-batches' forwards of a unit before their backwards, in any order.
+
 A group of one (this rank owns every matrix of the unit) computing in its storage's
 dtype: there is nothing to gather or scatter, so the shadows are views of the local
 storage itself, autograd puts the gradients straight into ``.grad``, and no hook runs in
@@ -56,6 +59,7 @@ all-gather and one reduce-scatter per unit is what FSDP2 itself does.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -98,8 +102,8 @@ class GatherUnit:
         self.groups = groups
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
-        self.fulls: list[torch.Tensor] | None = None
-        self._gathered: list[torch.Tensor] = []  # the fulls freed between uses (_set_fulls)
+        self._forward: _Gathered | None = None  # the forward running now
+        self._awaiting_refill = 0  # forwards whose storage was freed, before their backward
         # False: the full storage stays from forward to backward (no second gather).
         self.reshard_after_forward = True
         # True: the gradient reduce-scatter is issued asynchronously and waited for at the
@@ -115,7 +119,6 @@ class GatherUnit:
         self.replica_sum = OnceAStepSum(
             groups.replicate, reduce_dtype, REPLICA_SUM_KIND, "the replicas' sum"
         )
-        self._resharded = False
         self._handles = [
             module.register_forward_pre_hook(self._pre_forward, prepend=True),
             module.register_forward_hook(self._post_forward),
@@ -309,27 +312,16 @@ class GatherUnit:
         for slot in self.slots:
             slot.module.__dict__.pop(slot.attr, None)
 
-    def _free(self) -> None:
-        for full in self._gathered:
+    def _free(self, gathered: _Gathered) -> None:
+        for full in gathered.freed:
             full.untyped_storage().resize_(0)
 
-    def _refill(self) -> None:
-        fresh = dict(zip(map(id, self.fulls), self.all_gather(), strict=True))
-        for full in self._gathered:
+    def _refill(self, gathered: _Gathered) -> None:
+        fresh = dict(zip(map(id, gathered.fulls), self.all_gather(), strict=True))
+        for full in gathered.freed:
             full.untyped_storage().resize_(fresh[id(full)].untyped_storage().nbytes())
             with torch.autograd._unsafe_preserve_version_counter(full):
                 full.copy_(fresh[id(full)])
-
-    def _set_fulls(self, fulls: list[torch.Tensor]) -> None:
-        """Hold ``fulls``; those with storage of their own are freed between uses, not
-        those that view a local parameter (one this rank owns whole, gathered on gloo)."""
-        local = {_storage_of(slot.local) for slot in self.slots}
-        self.fulls = fulls
-        self._gathered = [
-            full
-            for full in fulls
-            if full.untyped_storage().nbytes() == 0 or _storage_of(full) not in local
-        ]
 
     # -- hooks ------------------------------------------------------------------------------
 
@@ -389,6 +381,10 @@ class GatherUnit:
 
     def _pre_forward(self, module: nn.Module, args) -> None:
         if self.whole_here:
+            if self.groups.replicas > 1 and torch.is_grad_enabled():
+                # Its backward leaves gradients to sum over the replicas. Said here too, as
+                # a pipeline's split backward accumulates them by hand: no hook sees them.
+                self.replica_sum.pending = True
             views = self._whole_views()
             for view in views:
                 mark_gathered(view)
@@ -396,40 +392,46 @@ class GatherUnit:
             return
         locals_ = [slot.local for slot in self.slots]
         if torch.is_grad_enabled() and any(p.requires_grad for p in locals_):
-            self._set_fulls(list(_GatherFunction.apply(self, *locals_)))
+            gathered = _Gathered()  # the function's backward needs it: filled after
+            gathered.hold(self, _GatherFunction.apply(self, gathered, *locals_))
         else:
-            self._set_fulls(self.all_gather())
-        for full in self.fulls:  # tells activation offload (europa-offload) to leave them be
+            gathered = _Gathered().hold(self, self.all_gather())
+        self._forward = gathered
+        for full in gathered.fulls:  # tells activation offload (europa-offload) to leave them be
             mark_gathered(full)
             if full._base is not None:  # the gathered rows: the base of what views them
                 mark_gathered(full._base)
-        self._shadow(self.fulls)
+        self._shadow(gathered.fulls)
         if not in_backward():  # not a forward recomputed in backward
             for unit in self.forward_prefetch:
                 unit.prefetch()
 
     def _post_forward(self, module: nn.Module, args, output) -> None:
         self._unshadow()
-        if self.whole_here:
+        gathered, self._forward = self._forward, None
+        if self.whole_here or gathered is None:
             return
         needs_grad = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-        if not needs_grad or not any(f.requires_grad for f in self.fulls):
-            self.fulls, self._gathered = None, []
+        if not needs_grad or not any(f.requires_grad for f in gathered.fulls):
             return
-        self._resharded = self.reshard_after_forward
-        if self._resharded:
-            self._free()
-        torch.autograd.graph.register_multi_grad_hook(needs_grad, self._pre_backward, mode="any")
+        if self.reshard_after_forward:
+            self._free(gathered)
+            gathered.resharded = True
+            self._awaiting_refill += 1
+        torch.autograd.graph.register_multi_grad_hook(
+            needs_grad, functools.partial(self._pre_backward, gathered), mode="any"
+        )
 
-    def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.fulls is None:  # a second backward through the same graph
+    def _pre_backward(self, gathered: _Gathered, grad: torch.Tensor) -> None:
+        if gathered.done:  # a second backward through the same graph
             return
-        if self._resharded:
-            self._refill()
-            self._resharded = False
-        self._shadow(self.fulls)
+        if gathered.resharded:
+            self._refill(gathered)
+            gathered.resharded = False
+            self._awaiting_refill -= 1
+        self._shadow(gathered.fulls)
         for unit in self.backward_prefetch:
-            if unit._resharded:
+            if unit._awaiting_refill:
                 unit.prefetch()
 
     def _in_last_backward(self) -> bool:
@@ -447,25 +449,62 @@ class GatherUnit:
         if grads:
             self.replica_sum.issue(id(self), grads)
 
-    def _post_backward(self, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _post_backward(
+        self, gathered: _Gathered, grads: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
         for grad in grads:  # the unsharded gradients, until reduce-scattered
             if grad is not None:
                 mark_memory(grad, "gradient_buffers")
         if self._in_last_backward():
             self._add_and_sum_over_replicas(self.reduce_scatter(grads))
-            local_grads = [None] * len(self.slots)  # already in .grad
+            local_grads = self._nothing_more()  # already in .grad
         elif self.reduce_scatter_async and self.groups.size > 1:
             pending = self._issue_reduce_scatter(grads, async_op=True)
             torch.autograd.Variable._execution_engine.queue_callback(
                 lambda: self._accumulate(pending)
             )
-            local_grads = [None] * len(self.slots)  # added to .grad when the backward ends
+            local_grads = self._nothing_more()  # added to .grad when the backward ends
         else:
             local_grads = self.reduce_scatter(grads)
         self._unshadow()
-        self._free()
-        self.fulls, self._gathered = None, []
+        self._free(gathered)
+        gathered.done = True
         return local_grads
+
+
+    def _nothing_more(self) -> list[torch.Tensor]:
+        """What autograd adds to ``.grad`` where the unit puts its share there itself:
+        zeros, not None. A pipeline's split backward (torch's ``stage_backward_weight``)
+        adds what ``autograd.grad`` returns to ``.grad`` by hand and cannot add None."""
+        return [torch.zeros_like(slot.local) for slot in self.slots]
+
+
+class _Gathered:
+    """One forward's whole parameters, kept for its backward. Several forwards of a unit
+    can wait for their backwards at once (a pipeline's micro-batches in flight), each
+    with its own: its ``fulls``, those of them whose storage is freed between uses
+    (``freed``), whether that storage is freed now (``resharded``), and whether its
+    backward has run (``done``)."""
+
+    __slots__ = ("done", "freed", "fulls", "resharded")
+
+    def __init__(self) -> None:
+        self.fulls: list[torch.Tensor] = []
+        self.freed: list[torch.Tensor] = []
+        self.resharded = False
+        self.done = False
+
+    def hold(self, unit: GatherUnit, fulls: Sequence[torch.Tensor]) -> _Gathered:
+        """Hold ``fulls``; those with storage of their own are freed between uses, not
+        those that view a local parameter (one this rank owns whole, gathered on gloo)."""
+        local = {_storage_of(slot.local) for slot in unit.slots}
+        self.fulls = list(fulls)
+        self.freed = [
+            full
+            for full in self.fulls
+            if full.untyped_storage().nbytes() == 0 or _storage_of(full) not in local
+        ]
+        return self
 
 
 def _storage_of(tensor: torch.Tensor) -> int:
@@ -475,13 +514,14 @@ def _storage_of(tensor: torch.Tensor) -> int:
 
 
 class _GatherFunction(torch.autograd.Function):
-    """local parameters -> full parameters; backward: full gradients -> owners."""
+    """local parameters -> full parameters; backward: full gradients -> owners, and
+    ``gathered`` (this forward's full parameters) freed."""
 
     @staticmethod
-    def forward(ctx, unit: GatherUnit, *locals_: torch.Tensor):
-        ctx.unit = unit
+    def forward(ctx, unit: GatherUnit, gathered: _Gathered, *locals_: torch.Tensor):
+        ctx.unit, ctx.gathered = unit, gathered
         return tuple(unit.all_gather())
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor | None):
-        return (None, *ctx.unit._post_backward(grads))
+        return (None, None, *ctx.unit._post_backward(ctx.gathered, grads))

@@ -62,9 +62,9 @@ def _layout(job: RunningJob) -> FlexShardLayout:
 def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Module:
     import torch
 
-    from europa.flexshard.builder import flex_shard
+    from europa.flexshard.builder import flex_shard, stage_units
     from europa.flexshard.planner import check_budget
-    from europa.flexshard.process_groups import process_groups
+    from europa.flexshard.process_groups import pipeline_group, process_groups
 
     table = job.config.section(NAME)
     bf16 = job.config.training.dtype == "bfloat16"
@@ -74,6 +74,7 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
         model,
         group=shard,
         replicate_group=replicate,
+        units=stage_units(model) if pipeline_group(job) is not None else None,
         param_dtype=torch.bfloat16 if bf16 else None,
         reduce_dtype=getattr(torch, table.reduce_dtype) if bf16 else None,
         experts=experts,
@@ -106,7 +107,9 @@ def europa_build_optimizer(job: RunningJob, model: torch.nn.Module) -> FlexShard
 
 @hookimpl
 def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float:
-    return _layout(job).clip_grad_norm_(max_norm)
+    from europa.flexshard.process_groups import pipeline_group
+
+    return _layout(job).clip_grad_norm_(max_norm, pipeline_group=pipeline_group(job))
 
 
 @hookimpl

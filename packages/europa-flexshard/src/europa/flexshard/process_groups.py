@@ -1,17 +1,20 @@
 """The process groups a FlexShard layout spans, built from a job's mesh
-(``[dp_replicate, dp_shard, ep]``, ``ep`` innermost: an ep group is consecutive ranks).
+(``europa.spec.job.MESH_AXES``: ``[pp, dp_replicate, dp_shard, ep]``, ``ep`` innermost:
+an ep group is consecutive ranks).
 
 ``process_groups(job)`` gives (shard group, replicate group, expert parallelism): the
 ranks that split the non-expert matrices, those holding the same share elsewhere, and the
-routed experts' group with its copies, nodes and exchange settings. Imports torch only
-when a group is built.
+routed experts' group with its copies, nodes and exchange settings. With pipeline stages
+each stage's ranks (its ``dp_replicate × dp_shard × ep``) lay out that stage's layers
+alone; every rank builds every stage's groups (creating a group is collective). Imports
+torch only when a group is built.
 """
 
 from __future__ import annotations
 
 from europa.flexshard.config import NAME
 from europa.flexshard.errors import FlexShardError
-from europa.spec.job import PlanningJob, RunningJob
+from europa.spec.job import DATA_AXES, PIPELINE_AXIS, PlanningJob, RunningJob
 
 
 def ranks_per_node(job: PlanningJob) -> int:
@@ -46,6 +49,7 @@ def _expert_parallel(job: RunningJob, copies):
     return ExpertParallel(
         group=mesh["ep"].get_group(),
         copies=copies,
+        data_parallel_size=data_ranks(job).numel(),  # a pipeline stage's, not the world
         dispatch=dispatch,
         nodes=nodes,
         dispatch_dtype=parallel.ep_dispatch_dtype,
@@ -68,18 +72,39 @@ def check_dense_group(job: PlanningJob, group: int) -> None:
 
 
 def data_ranks(job: RunningJob):
-    """``[dp_replicate, dp_shard, ep]`` -> global rank, for this rank's pipeline stage (the
-    mesh's outermost axis, ``pp``, is 1 where a FlexShard layout runs)."""
-    return job.mesh["dp_replicate", "dp_shard", "ep"].mesh
+    """``[dp_replicate, dp_shard, ep]`` -> global rank, for this rank's pipeline stage."""
+    return job.mesh[DATA_AXES].mesh
+
+
+def stages_data_ranks(job: RunningJob) -> list:
+    """``data_ranks`` of every pipeline stage, in stage order (one without stages)."""
+    return list(job.mesh.mesh)
+
+
+def pipeline_group(job: RunningJob):
+    """The ranks holding the other stages of this rank's pipeline (None: no stages)."""
+    if job.mesh[PIPELINE_AXIS].size() == 1:
+        return None
+    return job.mesh[PIPELINE_AXIS].get_group()
 
 
 def dense_ranks(job: RunningJob) -> tuple[list[list[int]], list[list[int]]]:
     """(the groups splitting the non-expert matrices, the replica groups holding the same
-    share) as global ranks. Each replica's ``dp_shard × ep`` ranks (consecutive) split them,
-    or with ``flexshard.dense_group = "node"`` each node's ranks of those."""
+    share) as global ranks, every stage's. Each replica's ``dp_shard × ep`` ranks
+    (consecutive) split them, or with ``flexshard.dense_group = "node"`` each node's ranks
+    of those."""
+    shards, replicas = [], []
+    for ranks in stages_data_ranks(job):
+        stage_shards, stage_replicas = _stage_dense_ranks(job, ranks)
+        shards += stage_shards
+        replicas += stage_replicas
+    return shards, replicas
+
+
+def _stage_dense_ranks(job: RunningJob, ranks) -> tuple[list[list[int]], list[list[int]]]:
     from europa.flexshard.exchange.nodes import split_into_nodes
 
-    blocks = [r.flatten().tolist() for r in data_ranks(job)]  # [dp_replicate][dp_shard × ep]
+    blocks = [r.flatten().tolist() for r in ranks]  # [dp_replicate][dp_shard × ep]
     check_dense_group(job, len(blocks[0]))
     dense_group = job.config.section(NAME).dense_group
     if dense_group == "node":
@@ -112,9 +137,12 @@ def process_groups(job: RunningJob):
         replicate, _ = dist.new_subgroups_by_enumeration(replica_ranks)
     if parallel.ep == 1:
         return shard, replicate, None
-    ranks = data_ranks(job)
     copies = None
-    if ranks.shape[0] * ranks.shape[1] > 1:
-        per_ep = [ranks[:, :, e].flatten().tolist() for e in range(ranks.shape[2])]
+    if mesh["dp_replicate"].size() * mesh["dp_shard"].size() > 1:
+        per_ep = [
+            ranks[:, :, e].flatten().tolist()
+            for ranks in stages_data_ranks(job)
+            for e in range(parallel.ep)
+        ]
         copies, _ = dist.new_subgroups_by_enumeration(per_ep)
     return shard, replicate, _expert_parallel(job, copies)

@@ -40,9 +40,11 @@ class FlexShardState:
         model = dict(_persistent_buffers(self.layout.model))  # replicated: equal on every rank
         for name, param in self.layout.named_local_parameters():
             model[name] = self._global(name, param)
-        state, groups = {}, []
-        for group in self.optimizer.param_groups:
-            groups.append({k: group[k] for k in HYPERPARAMETERS} | {"params": list(group["names"])})
+        state, groups = {}, {}
+        for group in self.optimizer.param_groups:  # by parameter: any cut of stages loads it
+            hyperparameters = {k: group[k] for k in HYPERPARAMETERS}
+            for name in group["names"]:
+                groups[name] = hyperparameters | {"use_muon": group["use_muon"]}
         for name, param, _ in self.optimizer.named_parameters():
             state[name] = {
                 key: value if value.ndim == 0 else self._global(name, value)
@@ -53,11 +55,12 @@ class FlexShardState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Tensors were filled in place by DCP; only the hyperparameters are new objects.
         saved_groups = state["optim"]["param_groups"]
-        for group, saved in zip(self.optimizer.param_groups, saved_groups, strict=True):
-            if list(group["names"]) != list(saved["params"]):
+        for group in self.optimizer.param_groups:
+            saved = [saved_groups[name] for name in group["names"]]
+            if any(s["use_muon"] != group["use_muon"] for s in saved):
                 raise ValueError("checkpoint optimizer groups do not match this model's parameters")
             for key in HYPERPARAMETERS:
-                group[key] = tuple(saved[key]) if key == "betas" else saved[key]
+                group[key] = tuple(saved[0][key]) if key == "betas" else saved[0][key]
 
     def _global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """``local`` (this rank's ``[owned, *matrix]``) as the full-shaped tensor it is part of."""

@@ -126,9 +126,11 @@ class FlexShardLayout:
             self.experts.reduce_copies([self.slots[n].local for n in self.experts.names])
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float, *, pipeline_group=None) -> float:
         """Clip to a total 2-norm of ``max_norm`` (0: only measure); return the norm
-        before clipping. Each matrix is counted once: on its owner."""
+        before clipping. Each matrix is counted once: on its owner. ``pipeline_group``:
+        the ranks holding the model's other layers (pipeline stages), whose gradients
+        count too."""
         self.finish_gradients()
         device = next(iter(self.slots.values())).local.device
         squares = torch.zeros(2, dtype=torch.float32, device=device)
@@ -142,6 +144,8 @@ class FlexShardLayout:
             grads.append(grad)
             (routed if self.is_expert(name) else dense).add_(grad.float().pow(2).sum())
         self._sum_over_owners(squares)
+        if pipeline_group is not None:
+            dist.all_reduce(squares, op=dist.ReduceOp.SUM, group=pipeline_group)
         norm = (dense + routed).sqrt()
         if max_norm > 0:
             scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # as torch's clip_grad_norm_

@@ -19,6 +19,12 @@ if TYPE_CHECKING:
 
     from europa.spec.execution import Execution
 
+# The device mesh's axes, outermost first. An ``ep`` group is consecutive ranks; the
+# ranks of one pipeline stage (``pp``) are its data-parallel ranks, ``DATA_AXES``.
+MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep")
+PIPELINE_AXIS = MESH_AXES[0]
+DATA_AXES = MESH_AXES[1:]
+
 
 @runtime_checkable
 class PlanningJob(Protocol):
@@ -40,7 +46,7 @@ class RunningJob(PlanningJob, Protocol):
     run_dir: Path
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh  # [dp_replicate, dp_shard, ep]
+    mesh: DeviceMesh  # MESH_AXES: [pp, dp_replicate, dp_shard, ep]
     emit_metrics: Callable[[dict[str, Any]], None]
     claims: dict[str, str]  # parameter name -> the plugin laying it out
     optimizer: Any  # the optimizer core steps, once built (see europa_wrap_optimizer)
@@ -50,4 +56,4 @@ class RunningJob(PlanningJob, Protocol):
     def claim(self, owner: str, parameter_names: Iterable[str]) -> None: ...
 
 
-__all__ = ["PlanningJob", "RunningJob"]
+__all__ = ["DATA_AXES", "MESH_AXES", "PIPELINE_AXIS", "PlanningJob", "RunningJob"]

@@ -20,9 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from europa.core.config.schema import ParallelConfig
 from europa.core.errors import LaunchError
-
-MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep")
-DATA_AXES = MESH_AXES[1:]  # the ranks of one pipeline stage: each reads its own data
+from europa.spec.job import DATA_AXES, MESH_AXES
 
 
 @dataclass(frozen=True)
@@ -103,17 +101,6 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int
             f"{others * parallel.dp_shard}: expected the {world_size} ranks"
         )
     return parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.ep
-
-
-def check_pipeline_axes(shape: tuple[int, int, int, int]) -> None:
-    """Pipeline stages have data-parallel ranks beside them (FSDP2 or HSDP), for now no
-    expert parallelism."""
-    pp, _, _, ep = shape
-    if pp > 1 and ep > 1:
-        raise LaunchError(
-            f"parallel.pp = {pp} with parallel.ep = {ep}: expected 1; stages beside "
-            "expert-parallel groups are not built yet"
-        )
 
 
 def ranks_per_node(parallel: ParallelConfig, world_size: int, launcher_says: int = 0) -> int:
@@ -210,7 +197,6 @@ def init_distributed(
 ) -> tuple[torch.device, DeviceMesh]:
     """Start the process group and build the named mesh for this process."""
     shape = mesh_shape(parallel, place.world_size)
-    check_pipeline_axes(shape)
     device = pick_device(parallel, place.local_rank)
     # A lone process rendezvous with itself on a free local port; launched ranks
     # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.

@@ -129,15 +129,29 @@ class PipelineRun:
         return total
 
 
+# The plugins whose hooks have run inside pipeline stages and been checked there
+# (tests/europa_core/test_pipeline_techniques.py); any other is refused before it trains.
+RUN_INSIDE_STAGES = ("flexshard", "offload", "overlap")
+
+
 def check_pipeline_plugins(config, plugins) -> None:
-    """Pipeline stages run core's layout only for now: a technique plugin is refused."""
+    """Refuse, in one line, a plugin not known to work inside pipeline stages."""
     from europa.core.errors import ConfigError
 
     enabled = [info.name for info in plugins.plugins() if info.enabled and not info.builtin]
-    if enabled:
+    untried = [name for name in enabled if name not in RUN_INSIDE_STAGES]
+    pp = config.parallel.pp
+    if untried:
         raise ConfigError(
-            f"parallel.pp = {config.parallel.pp} with plugins {enabled}: expected core's "
-            "layout alone; techniques inside pipeline stages are not built yet"
+            f"parallel.pp = {pp} with plugins {untried}: expected only "
+            f"{list(RUN_INSIDE_STAGES)} beside core inside pipeline stages"
+        )
+    if "overlap" in enabled and "flexshard" not in enabled:
+        # Each stage part is an FSDP2 root of its own; FSDP2 cannot prefetch one root's
+        # gather from another (their communication state is set up on first use).
+        raise ConfigError(
+            f"parallel.pp = {pp} with plugin overlap over core's FSDP2: expected flexshard "
+            "beside it; FSDP2's prefetch between pipeline stage parts is not built"
         )
 
 
