@@ -91,7 +91,8 @@ def test_the_stages_chained_are_the_whole_model_bit_for_bit():
 
 def _schedules_against_whole(rank: int, world: int) -> dict[str, float]:
     from europa.core.model.materialise import materialise
-    from europa.core.pipeline.schedules import build_schedule, stages_of_rank
+    from europa.core.pipeline.schedules import build_schedule
+    from europa.core.pipeline.stages import stages_of_rank
 
     config, meta = _tiny_model()
     micro, seq = 4, 16

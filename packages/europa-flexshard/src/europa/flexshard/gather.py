@@ -471,7 +471,6 @@ class GatherUnit:
         gathered.done = True
         return local_grads
 
-
     def _nothing_more(self) -> list[torch.Tensor]:
         """What autograd adds to ``.grad`` where the unit puts its share there itself:
         zeros, not None. A pipeline's split backward (torch's ``stage_backward_weight``)

@@ -51,6 +51,11 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
 def check_executable(config) -> None:
     """Refuse, in one line, a config whose step cannot run on fake tensors: torch's grouped
     GEMM, which the routed experts run, has fake kernels for bfloat16 inputs only."""
+    if config.parallel.pp > 1:
+        raise ConfigError(
+            f"parallel.pp = {config.parallel.pp} with --execute: expected 1; a pipeline "
+            "rank's step on fake tensors is not built (its plan is a prediction only)"
+        )
     if config.model.num_experts and config.training.dtype != "bfloat16":
         raise ConfigError(
             f"training.dtype = {config.training.dtype!r}: --execute runs the routed experts' "

@@ -11,38 +11,40 @@ dynamic programming: at most a few hundred layers).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
-
-from torch import nn
+import math
+from collections.abc import Iterable, Mapping, Sequence
 
 EMBEDDING, LAYERS, HEAD = "tok_embeddings", "layers", ("norm", "lm_head")
 
 
-def module_flops_per_token(module: nn.Module, top_k: int, num_experts: int) -> int:
-    """``6 ×`` the matrix parameters a token touches in ``module`` (2-D weights in full,
-    3-D stacks of routed experts ``top_k / num_experts`` of them)."""
+def matrix_flops_per_token(shapes: Iterable[Sequence[int]], top_k: int, num_experts: int) -> int:
+    """``6 ×`` the matrix parameters a token touches among parameters of ``shapes`` (2-D
+    weights in full, 3-D stacks of routed experts ``top_k / num_experts`` of them)."""
     total = 0
-    for p in module.parameters():
-        if p.dim() == 2 and min(p.shape) > 1:
-            total += p.numel()
-        elif p.dim() == 3:
-            total += p.numel() * top_k // num_experts
+    for shape in shapes:
+        if len(shape) == 2 and min(shape) > 1:
+            total += math.prod(shape)
+        elif len(shape) == 3:
+            total += math.prod(shape) * top_k // num_experts
     return 6 * total
 
 
-def layer_costs(model: nn.Module, attention_per_layer: int, top_k: int, num_experts: int):
-    """(each layer's FLOPs per token, in order; the head's). The embedding is a lookup:
-    no matrix product."""
-    layers = [
-        module_flops_per_token(layer, top_k, num_experts) + attention_per_layer
-        for layer in getattr(model, LAYERS).values()
-    ]
-    head = sum(
-        module_flops_per_token(getattr(model, name), top_k, num_experts)
-        for name in HEAD
-        if getattr(model, name, None) is not None
-    )
-    return layers, head
+def layer_costs(
+    parameters: Mapping[str, Sequence[int]],
+    layer_keys: Sequence[str],
+    attention_per_layer: int,
+    top_k: int,
+    num_experts: int,
+):
+    """(each layer's FLOPs per token, in order; the head's), from the model's parameter
+    shapes by name. The embedding is a lookup: no matrix product."""
+
+    def of(prefix: str) -> int:
+        shapes = [shape for name, shape in parameters.items() if name.startswith(prefix + ".")]
+        return matrix_flops_per_token(shapes, top_k, num_experts)
+
+    layers = [of(f"{LAYERS}.{key}") + attention_per_layer for key in layer_keys]
+    return layers, sum(of(name) for name in HEAD)
 
 
 def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
@@ -75,10 +77,15 @@ def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
 
 
 def model_cut(
-    model: nn.Module, stages: int, attention_per_layer: int, top_k: int, num_experts: int
+    parameters: Mapping[str, Sequence[int]],
+    layer_keys: Sequence[str],
+    stages: int,
+    attention_per_layer: int,
+    top_k: int,
+    num_experts: int,
 ) -> list[range]:
-    """The balanced cut of ``model``'s layers, the head counted to the last layer's stage."""
-    layers, head = layer_costs(model, attention_per_layer, top_k, num_experts)
+    """The balanced cut of the model's layers, the head counted to the last layer's stage."""
+    layers, head = layer_costs(parameters, layer_keys, attention_per_layer, top_k, num_experts)
     layers[-1] += head
     return balanced_cut(layers, stages)
 

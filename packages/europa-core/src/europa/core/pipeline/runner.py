@@ -24,35 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from europa.core.model.load_balance import ExpertLoad
-from europa.core.pipeline.cut import LAYERS, model_cut, stage_module_names, stated_cut
-from europa.core.pipeline.kinds import stages_per_rank
-from europa.core.pipeline.schedules import build_schedule, stages_of_rank
-
-
-def stage_names(config, model: nn.Module) -> list[list[str]]:
-    """Every stage's module names: the configured cut, else the balanced one."""
-    from europa.core.plan.timing import attention_flops_per_token
-
-    p, m = config.parallel, config.model
-    stages = p.pp * stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
-    keys = list(getattr(model, LAYERS).keys())
-    if p.pp_layers:
-        cut = stated_cut(p.pp_layers, len(keys))
-    else:
-        attention = attention_flops_per_token(m, config.training.seq_len) // m.n_layers
-        cut = model_cut(model, stages, attention, m.top_k, m.num_experts)
-    return stage_module_names(cut, keys)
-
-
-def rank_stages(config, pp_rank: int, num_stages: int) -> list[int]:
-    p = config.parallel
-    per_rank = stages_per_rank(p.pp_schedule, p.pp_stages_per_rank)
-    return stages_of_rank(p.pp_schedule, pp_rank, p.pp, per_rank)
-
-
-def rank_module_names(names: Sequence[Sequence[str]], stages: Sequence[int]) -> list[str]:
-    """The modules of all this rank's stages."""
-    return [name for i in stages for name in names[i]]
+from europa.core.pipeline.cut import LAYERS
+from europa.core.pipeline.schedules import build_schedule
+from europa.core.pipeline.stages import rank_stages
 
 
 def stage_view(model: nn.Module, keep: Sequence[str]) -> nn.Module:
@@ -78,7 +52,7 @@ class PipelineRun:
         self.group = job.mesh["pp"].get_group()
         pp_rank = job.mesh["pp"].get_local_rank()
         self.num_stages = num_stages = len(names)
-        self.stages = rank_stages(config, pp_rank, num_stages)
+        self.stages = rank_stages(config.parallel, pp_rank)
         self.first, self.last = 0 in self.stages, num_stages - 1 in self.stages
         micro = config.training.grad_accum_steps
         views = [(i, stage_view(model, names[i])) for i in self.stages]

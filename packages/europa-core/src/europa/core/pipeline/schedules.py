@@ -1,9 +1,5 @@
-"""torch's pipeline schedules by name, and which stages each pipeline rank holds.
-
-Looped schedules (1F1B, interleaved 1F1B) put stage ``s`` on rank ``s mod P``; the V
-schedules (ZBV zero-bubble, DualPipeV) hold two stages a rank, ``r`` and ``2P - 1 - r``, so
-the first and the last stage share rank 0 (as torchtitan places them).
-"""
+"""torch's pipeline schedules by name, built over a rank's stages
+(``europa.core.pipeline.stages`` says which stages a rank holds)."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from europa.core.pipeline.kinds import SINGLE_STAGE, V_SHAPED
+from europa.core.pipeline.kinds import SINGLE_STAGE
 
 SCHEDULES = {
     "1f1b": Schedule1F1B,
@@ -27,13 +23,6 @@ SCHEDULES = {
     "zbv": ScheduleZBVZeroBubble,
     "dualpipev": ScheduleDualPipeV,
 }
-
-
-def stages_of_rank(schedule: str, pp_rank: int, pp: int, stages_per_rank: int) -> list[int]:
-    """The stage indices pipeline rank ``pp_rank`` holds, in the order it runs them."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(stages_per_rank)]
 
 
 def build_schedule(

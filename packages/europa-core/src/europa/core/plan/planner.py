@@ -10,12 +10,12 @@ check calls the same function, so the two never disagree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from europa.core.config.schema import EuropaConfig
-from europa.core.errors import ConfigError, PluginError, ResourceError
+from europa.core.errors import PluginError, ResourceError
 from europa.core.job import Job
 from europa.core.launch.distributed import check_node_layout, mesh_shape
 from europa.core.plan.activations import block_activations
@@ -39,6 +39,9 @@ from europa.core.plan.timing import (
     step_time,
 )
 from europa.core.plan.traffic import Traffic, step_traffic
+
+if TYPE_CHECKING:
+    from europa.core.plan.pipeline_plan import PipelinePlan
 from europa.spec.offload import HostOffload
 from europa.spec.plan_layout import Layout
 from europa.spec.plan_mapping import PlanMapping
@@ -91,6 +94,8 @@ class Plan:
     moments: list[Moment] = field(default_factory=list)  # the most loaded rank's
     peak_moment: str = ""  # the moment device_terms are taken at
     traffic_inputs: dict[str, Any] = field(default_factory=dict)  # step_traffic's, for traffic_of
+    # With pipeline stages: every pipeline rank's figures (the rest is the heaviest rank's)
+    pipeline: PipelinePlan | None = None
 
     @property
     def device_total(self) -> int:
@@ -135,7 +140,8 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         t = self.config.training
-        return t.batch_size * t.seq_len * t.grad_accum_steps * self.world_size
+        data_ranks = self.world_size // self.config.parallel.pp  # a pipeline's read the same
+        return t.batch_size * t.seq_len * t.grad_accum_steps * data_ranks
 
     def rank_state(self, global_rank: int) -> dict[str, int]:
         """State bytes of one global rank (ranks of a replica group hold the same)."""
@@ -226,11 +232,6 @@ def make_plan(
     """``ranks_per_node``: the nodes the ranks form (default: ``parallel.ranks_per_node``,
     else the profile's ``gpus_per_node``). ``shapes``: the model's, read once by a caller
     that plans many layouts of one model (reading them walks the whole module tree)."""
-    if config.parallel.pp > 1:
-        raise ConfigError(
-            f"parallel.pp = {config.parallel.pp}: expected 1; the planner does not plan "
-            "pipeline stages yet"
-        )
     mesh = mesh_shape(config.parallel, world_size)[1:]
     job = Job(
         config=config,
@@ -243,6 +244,10 @@ def make_plan(
         if model is None:
             model = plugins.hook.europa_build_model(job=job)
         shapes = ModelShapes.of(model)
+    if config.parallel.pp > 1:
+        from europa.core.plan.pipeline_plan import plan_pipeline
+
+        return plan_pipeline(config, plugins, hardware, world_size, shapes, job.node_size)
     plan = plugin_plan(job, plugins, shapes, hardware=hardware)
     return _assemble(config, hardware, world_size, mesh, shapes, plan, job.node_size)
 
@@ -277,14 +282,26 @@ def plugin_plan(
     return plan
 
 
-def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Plan:
+@dataclass(frozen=True)
+class StageScope:
+    """What one pipeline rank holds of the model, to plan its layers as a model of their
+    own (``europa.core.plan.pipeline_plan``)."""
+
+    blocks: frozenset[str]  # its blocks ("layers.3"), and "<root>" with the embedding or head
+    layers: int  # how many of the model's layers
+    head: bool  # it holds the output head
+    # Saved activations of the micro-batches it holds at once, on the device and the host
+    # (None: one micro-batch's, as without stages).
+    held_device: int | None = None
+    held_host: int | None = None
+
+
+def stage_activations(config, hardware, plan: PlanMapping, names) -> dict[str, Activations]:
+    """One micro-batch's saved activations of the blocks ``names``, by activation
+    checkpointing mode (``MODES``), under the plan's offload."""
     training, model_cfg = config.training, config.model
-    layout = plan["layout"]
     compute_bytes = 2 if training.dtype == "bfloat16" else 4
-    reduce_bytes = layout.get("reduce_itemsize", 4)
-    recompute = config.section("activation_checkpointing").mode == "full"
     offload = HostOffload.parse(plan.get("host_offload"))
-    tokens = training.batch_size * training.seq_len
     blocks = block_activations(
         model_cfg,
         seq_len=training.seq_len,
@@ -292,10 +309,32 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         dtype_bytes=compute_bytes,
         kernel=hardware.attention_kernel,
     )
-    kept_bytes = layout.get("expert_kept_bytes_per_moe_block", 0)
+    blocks = [b for b in blocks if b.name in names]
+    kept_bytes = plan["layout"].get("expert_kept_bytes_per_moe_block", 0)
     kept = {f"layers.{i}": kept_bytes for i in range(model_cfg.n_dense_layers, model_cfg.n_layers)}
-    by_mode = {mode: activations(blocks, tokens, mode == "full", offload, kept) for mode in MODES}
+    tokens = training.batch_size * training.seq_len
+    return {mode: activations(blocks, tokens, mode == "full", offload, kept) for mode in MODES}
+
+
+def _every_block(config) -> frozenset[str]:
+    return frozenset([*(f"layers.{i}" for i in range(config.model.n_layers)), "<root>"])
+
+
+def _assemble(
+    config, hardware, world_size, mesh, shapes, plan, per_node, scope: StageScope | None = None
+) -> Plan:
+    training, model_cfg = config.training, config.model
+    layout = plan["layout"]
+    compute_bytes = 2 if training.dtype == "bfloat16" else 4
+    reduce_bytes = layout.get("reduce_itemsize", 4)
+    recompute = config.section("activation_checkpointing").mode == "full"
+    offload = HostOffload.parse(plan.get("host_offload"))
+    tokens = training.batch_size * training.seq_len
+    names = scope.blocks if scope is not None else _every_block(config)
+    by_mode = stage_activations(config, hardware, plan, names)
     acts = by_mode["full" if recompute else "none"]
+    if scope is not None and scope.held_device is not None:
+        acts = replace(acts, device=scope.held_device + acts.recompute, host=scope.held_host)
     state = RankState.of(layout)
     rank = state.most_loaded()
     optimizer_state = state.optimizer_state[rank]
@@ -352,10 +391,11 @@ def _assemble(config, hardware, world_size, mesh, shapes, plan, per_node) -> Pla
         hardware.filesystem_gbps,
         config.checkpoint.max_write_mbps,
     )
-    per_token = model_flops_per_token(shapes, model_cfg, training.seq_len)
+    layers = scope.layers if scope is not None else model_cfg.n_layers
+    per_token = model_flops_per_token(shapes, model_cfg, training.seq_len, layers)
     tokens_per_rank = tokens * training.grad_accum_steps
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
-    head = 2 * model_cfg.vocab_size * model_cfg.dim
+    head = 2 * model_cfg.vocab_size * model_cfg.dim if scope is None or scope.head else 0
     recompute_flops = per_token // 3 - head if recompute else 0
     bandwidth = {(t.link, t.collective): hardware.bandwidth(t.link, t.collective) for t in traffic}
     # "With overlap": what europa-overlap says it hides, or (not enabled) every

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from europa.core.plan.pipeline_plan import PipelinePlan
 from europa.core.plan.planner import Plan
 from europa.core.plan.timing import StepTime
 from europa.spec.units import human
@@ -90,7 +91,72 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "fits": plan.fits,
         "refusal": plan.refusal(),
         "plugins": plan.plugins,
+        "pipeline": _pipeline_json(plan.pipeline),
     }
+
+
+def _pipeline_json(pipeline: PipelinePlan | None) -> dict[str, Any] | None:
+    if pipeline is None:
+        return None
+    return {
+        "schedule": pipeline.schedule,
+        "pp": pipeline.pp,
+        "stages": pipeline.stages,
+        "micro_batches": pipeline.micro_batches,
+        "stage_modules": [list(m) for m in pipeline.stage_modules],
+        "hidden_bytes": pipeline.hidden_bytes,
+        "link": pipeline.link,
+        "step_s": pipeline.step_s,
+        "bubble": pipeline.bubble,
+        "ranks": [
+            {
+                "rank": r.rank,
+                "stages": list(r.stages),
+                "modules": list(r.modules),
+                "device_bytes": r.device_bytes,
+                "held_micro_batches": r.held_micro_batches,
+                "send_bytes": r.send_bytes,
+                "busy_s": r.busy_s,
+                "bubble": r.bubble,
+            }
+            for r in pipeline.ranks
+        ],
+    }
+
+
+def _pipeline_table(pipeline: PipelinePlan | None) -> list[str]:
+    if pipeline is None:
+        return []
+    per_rank = pipeline.stages // pipeline.pp
+    lines = [
+        f"  pipeline (predicted): {pipeline.pp} ranks × {per_rank} stage(s), "
+        f"{pipeline.schedule}, {pipeline.micro_batches} micro-batches; a hidden state is "
+        f"{human(pipeline.hidden_bytes)} over {pipeline.link}; "
+        f"the ranks wait {100 * pipeline.bubble:.1f} % of the step (the bubble)",
+        _row(
+            "pipeline rank (stages)",
+            "layers",
+            "device peak",
+            "held",
+            "sent/step",
+            "bubble",
+            width=26,
+        ),
+    ]
+    for r in pipeline.ranks:
+        layers = sum(m.startswith("layers.") for m in r.modules)
+        lines.append(
+            _row(
+                f"{r.rank} ({', '.join(map(str, r.stages))})",
+                str(layers),
+                human(r.device_bytes),
+                f"{r.held_micro_batches:.2g} mb",
+                human(r.send_bytes),
+                f"{100 * r.bubble:.1f} %",
+                width=26,
+            )
+        )
+    return [*lines, ""]
 
 
 def _row(label: str, *cells: str, width: int = 34) -> str:
@@ -102,7 +168,7 @@ def plan_table(plan: Plan) -> str:
     replicate, shard, ep = plan.mesh
     lines = [
         f"europa plan: {plan.config.run.name} on {plan.hardware.name}, {plan.world_size} "
-        f"rank(s) (dp_replicate {replicate} × dp_shard {shard} × ep {ep}), "
+        f"rank(s) ({_stages(plan)}dp_replicate {replicate} × dp_shard {shard} × ep {ep}), "
         f"layout {_layout_name(plan.layout)}",
         f"  parameters: {_count(counts.total)} total, {_count(counts.active_per_token)} active "
         f"per token, {_count(counts.routed_experts)} in routed experts",
@@ -144,6 +210,7 @@ def plan_table(plan: Plan) -> str:
             f"{tokens / with_.step_s:,.0f}",
         ),
         "",
+        *_pipeline_table(plan.pipeline),
     ]
     write = plan.checkpoint_write_s
     lines += [
@@ -160,6 +227,10 @@ def plan_table(plan: Plan) -> str:
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
     return "\n".join(lines)
+
+
+def _stages(plan: Plan) -> str:
+    return f"pp {plan.config.parallel.pp} × " if plan.config.parallel.pp > 1 else ""
 
 
 def _seconds(value: float | None) -> str:

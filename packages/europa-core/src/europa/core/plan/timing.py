@@ -55,8 +55,15 @@ def attention_flops_per_token(m: ModelConfig, seq_len: int) -> int:
     return per_layer * seq_len // 2 * m.n_layers
 
 
-def model_flops_per_token(shapes: ModelShapes, m: ModelConfig, seq_len: int) -> int:
-    return 6 * matmul_parameters_per_token(shapes, m) + attention_flops_per_token(m, seq_len)
+def model_flops_per_token(
+    shapes: ModelShapes, m: ModelConfig, seq_len: int, layers: int | None = None
+) -> int:
+    """Training FLOPs per token of ``shapes`` (the whole model, or a pipeline rank's part
+    holding ``layers`` of its layers)."""
+    attention = attention_flops_per_token(m, seq_len)
+    if layers is not None:
+        attention = attention * layers // m.n_layers
+    return 6 * matmul_parameters_per_token(shapes, m) + attention
 
 
 @dataclass(frozen=True)

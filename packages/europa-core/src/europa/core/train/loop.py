@@ -109,18 +109,20 @@ class Trainer:
         hook = plugins.hook
         model = hook.europa_build_model(job=job)
         self.counts = count_parameters(model)
-        stage_names = None
-        if cfg.parallel.pp > 1:  # this rank keeps only its stages' modules
-            from europa.core.pipeline import runner as pipeline
-
-            pipeline.check_pipeline_plugins(cfg, plugins)
-            stage_names = pipeline.stage_names(cfg, model)
-            mine = pipeline.rank_stages(cfg, job.mesh["pp"].get_local_rank(), len(stage_names))
-            model = split_model(model, pipeline.rank_module_names(stage_names, mine))
-        self.data_group = data_group(job.mesh)
         local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         check_fits(cfg, plugins, job.device, job.world_size, local_ranks, model=model,
                    ranks_per_node=job.node_size)  # fmt: skip
+        stage_names = None
+        if cfg.parallel.pp > 1:  # this rank keeps only its stages' modules
+            from europa.core.pipeline import runner as pipeline
+            from europa.core.pipeline import stages
+
+            pipeline.check_pipeline_plugins(cfg, plugins)
+            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+            stage_names = stages.stage_names(cfg, shapes, list(model.layers.keys()))
+            mine = stages.rank_stages(cfg.parallel, job.mesh["pp"].get_local_rank())
+            model = split_model(model, stages.rank_module_names(stage_names, mine))
+        self.data_group = data_group(job.mesh)
         init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = place_model(job, plugins, model, init_matrix)
         self.imported_bytes = None  # bytes this rank read from model.init_from
@@ -165,11 +167,8 @@ class Trainer:
         )
         stages = ""
         if self.pipeline is not None:
-            p = job.config.parallel
-            stages = (
-                f"; {self.pipeline.num_stages} pipeline stages ({p.pp_schedule}), which the "
-                "planner does not plan yet: memory was not checked before training"
-            )
+            schedule = job.config.parallel.pp_schedule
+            stages = f"; {self.pipeline.num_stages} pipeline stages ({schedule})"
         return (
             f"europa: {job.config.run.name}: {counts.total / 1e6:.2f} M parameters "
             f"({counts.active_per_token / 1e6:.2f} M active per token); {job.world_size} "

@@ -43,9 +43,6 @@ def check_fits(
     ranks form (their expert exchanges), as the job resolved them."""
     from europa.core.plan import make_plan, this_machine
 
-    if config.parallel.pp > 1:  # the planner does not plan pipeline stages yet
-        return
-
     share = max(1, local_ranks)
     device_bytes = available_bytes(device) // (share if device.type == "cpu" else 1)
     host_bytes = _meminfo_available() // share

@@ -1,0 +1,185 @@
+"""A pipeline step played out from the schedule's own order: when each rank computes, when
+it waits, and how many micro-batches' activations it holds.
+
+Design note. Each rank runs its list of actions in order, as torch's schedule does: a
+forward (``F``) of stage s for micro-batch m, its whole backward (``B``), or a backward
+split in two, the input's gradient (``I``) and then the weights' (``W``). The lists are
+torch's own for every schedule that has one (built over stand-in stages: a schedule
+computes its order when constructed, before any tensor moves); 1F1B, which runs one
+stage a rank without a list, has its order written out here as ``Schedule1F1B`` runs it
+(``min(M, P - s)`` forwards first). An action starts when its rank is free and what it
+needs has arrived: the previous stage's forward of the micro-batch (one transfer later
+when that stage is on another rank), the next stage's backward of it, and for ``W`` its
+own ``I``. Its duration is the stage's planned compute for one micro-batch: a forward a
+third of it, a whole backward two thirds, each half of a split backward a third.
+
+A micro-batch's activations are held from a stage's forward to the end of its backward
+(``B``, or ``W``: the weights' gradient reads most of what the forward saved).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
+SHARE = {FORWARD: 1 / 3, BACKWARD: 2 / 3, INPUT_GRAD: 1 / 3, WEIGHT_GRAD: 1 / 3}
+
+
+@dataclass(frozen=True)
+class Action:
+    stage: int
+    kind: str  # FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
+    micro: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.micro}"
+
+
+def one_f_one_b(stage: int, stages: int, micro: int) -> list[Action]:
+    """Schedule1F1B's order on ``stage``: ``min(micro, stages - stage)`` forwards, then a
+    backward and a forward in turn, then the backwards left."""
+    warmup = min(micro, stages - stage)
+    order = [Action(stage, FORWARD, m) for m in range(warmup)]
+    forwards = warmup
+    for m in range(micro):
+        order.append(Action(stage, BACKWARD, m))
+        if forwards < micro:
+            order.append(Action(stage, FORWARD, forwards))
+            forwards += 1
+    return order
+
+
+def rank_orders(schedule: str, pp: int, per_rank: int, micro: int) -> dict[int, list[Action]]:
+    """Each pipeline rank's actions in the order ``schedule`` runs them."""
+    from europa.core.pipeline.kinds import SINGLE_STAGE
+    from europa.core.pipeline.stages import stages_of_rank
+
+    if schedule in SINGLE_STAGE:
+        return {r: one_f_one_b(r, pp, micro) for r in range(pp)}
+    return _torch_orders(schedule, pp, per_rank, micro, stages_of_rank)
+
+
+class _StandInStage:
+    """What a multi-stage schedule reads of its stages when it computes its order."""
+
+    def __init__(self, index: int, stages: int, pp: int, rank: int) -> None:
+        self.stage_index, self.num_stages = index, stages
+        self.group_size, self.group_rank = pp, rank
+        self.is_first, self.is_last = index == 0, index == stages - 1
+        from torch import nn
+
+        self.submod = nn.Module()  # a check for torch.compile reads its type
+
+
+def _torch_orders(schedule, pp, per_rank, micro, stages_of_rank) -> dict[int, list[Action]]:
+    """The order torch's schedule computes for every rank (rank 0's schedule holds all)."""
+    from europa.core.pipeline.schedules import SCHEDULES
+
+    stages = pp * per_rank
+    held = [_StandInStage(i, stages, pp, 0) for i in stages_of_rank(schedule, 0, pp, per_rank)]
+    built = SCHEDULES[schedule](held, micro, loss_fn=_no_loss, scale_grads=False)
+    return {rank: _flatten(order) for rank, order in built.pipeline_order.items()}
+
+
+def _no_loss(output, target):  # pragma: no cover - never called: nothing runs
+    raise AssertionError("a stand-in schedule computes no loss")
+
+
+def _flatten(order) -> list[Action]:
+    """torch's actions as ours: idle slots dropped, paired forward-backward actions
+    (DualPipeV's ``OVERLAP_F_B``) as their two parts in turn, as torch runs them."""
+    out = []
+    for action in order:
+        if action is None:
+            continue
+        for part in action.sub_actions or (action,):
+            kind = part.computation_type.value
+            if kind not in SHARE:
+                raise ValueError(f"pipeline action {part} of kind {kind!r}: not a computation")
+            out.append(Action(part.stage_index, kind, part.microbatch_index))
+    return out
+
+
+@dataclass(frozen=True)
+class Simulation:
+    step_s: float  # from the first action to the last, over every rank
+    busy_s: dict[int, float]  # per rank: its actions' time
+    peak_held: dict[int, float]  # per rank: the most activation bytes it held at once
+    finished_s: dict[int, float]  # per rank: when its last action ended
+
+    def bubble(self, rank: int) -> float:
+        """The share of the step ``rank`` waits."""
+        return 1 - self.busy_s[rank] / self.step_s if self.step_s else 0.0
+
+    @property
+    def mean_bubble(self) -> float:
+        return sum(self.bubble(r) for r in self.busy_s) / len(self.busy_s)
+
+
+def simulate(
+    orders: Mapping[int, Sequence[Action]],
+    compute_s: Callable[[int], float],
+    transfer_s: Callable[[int, int], float],
+    held_bytes: Callable[[int], float] = lambda stage: 0.0,
+) -> Simulation:
+    """Play the ranks' ``orders`` out. ``compute_s(stage)``: one micro-batch's forward and
+    backward on that stage; ``transfer_s(from_stage, to_stage)``: a hidden state or its
+    gradient between those stages (0 on one rank); ``held_bytes(stage)``: one
+    micro-batch's saved activations there."""
+    rank_of = {a.stage: r for r, order in orders.items() for a in order}
+    last = max(rank_of)
+    done: dict[tuple[int, str, int], float] = {}
+    clock = {r: 0.0 for r in orders}
+    busy = {r: 0.0 for r in orders}
+    held = {r: 0.0 for r in orders}
+    peak = {r: 0.0 for r in orders}
+    position = {r: 0 for r in orders}
+    remaining = sum(len(order) for order in orders.values())
+    while remaining:
+        progressed = False
+        for r, order in orders.items():
+            while position[r] < len(order):
+                action = order[position[r]]
+                ready = _ready(action, done, last, transfer_s)
+                if ready is None:
+                    break
+                start = max(clock[r], ready)
+                length = compute_s(action.stage) * SHARE[action.kind]
+                clock[r] = start + length
+                busy[r] += length
+                done[action.stage, action.kind, action.micro] = clock[r]
+                if action.kind == FORWARD:
+                    held[r] += held_bytes(action.stage)
+                    peak[r] = max(peak[r], held[r])
+                elif action.kind in (BACKWARD, WEIGHT_GRAD):
+                    held[r] -= held_bytes(action.stage)
+                position[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = {r: str(o[position[r]]) for r, o in orders.items() if position[r] < len(o)}
+            raise ValueError(f"pipeline order cannot proceed: ranks wait at {stuck}")
+    return Simulation(max(clock.values()), busy, peak, dict(clock))
+
+
+def _ready(action: Action, done, last: int, transfer_s) -> float | None:
+    """When what ``action`` needs has arrived (None: not yet computed)."""
+    s, m = action.stage, action.micro
+    needs: list[tuple[tuple[int, str, int], float]] = []
+    if action.kind == FORWARD:
+        if s > 0:
+            needs.append(((s - 1, FORWARD, m), transfer_s(s - 1, s)))
+    elif action.kind == WEIGHT_GRAD:
+        needs.append(((s, INPUT_GRAD, m), 0.0))
+    else:
+        needs.append(((s, FORWARD, m), 0.0))
+        if s < last:
+            later = (s + 1, BACKWARD, m) if (s + 1, BACKWARD, m) in done else (s + 1, INPUT_GRAD, m)
+            needs.append((later, transfer_s(s + 1, s)))
+    times = []
+    for key, delay in needs:
+        if key not in done:
+            return None
+        times.append(done[key] + delay)
+    return max(times, default=0.0)
