@@ -198,6 +198,11 @@ def test_pipeline_stages_train_as_the_whole_model_does_and_resume_across_a_chang
         tail = losses[resumed][SAVED:]
         worst = max(abs(a - b) / abs(b) for a, b in zip(tail, reference[SAVED:], strict=True))
         assert worst <= 1e-5, (resumed, worst)
+    # the bytes each pipeline rank's stages sent, counted at torch's send ops, are the
+    # plan's, every step and schedule
+    for run in _pipeline_runs():
+        if "parallel.pp=2" in run.overrides and run.resume_from is None:
+            assert_sent_as_planned(run, records[run.name], world=2)
     # each stage's expert loads reach the metrics: every MoE layer of the model
     layers = {
         layer for r in records["pp2-1f1b"] if "expert_load" in r for layer in r["expert_load"]
@@ -205,6 +210,20 @@ def test_pipeline_stages_train_as_the_whole_model_does_and_resume_across_a_chang
     assert layers == {
         layer for r in records["pp1"] if "expert_load" in r for layer in r["expert_load"]
     }
+
+
+def assert_sent_as_planned(run, rows, world: int) -> None:
+    """Each step's ``pipeline_sent_bytes`` of ``run`` equal its plan's, pipeline rank by
+    pipeline rank."""
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.session import open_session
+
+    config, plugins = open_session(run.preset, run.overrides, run.plugins)
+    planned = make_plan(config, plugins, load_profile("cpu"), world).pipeline
+    expected = [r.send_bytes for r in planned.ranks]
+    counted = [r["pipeline_sent_bytes"] for r in rows if "pipeline_sent_bytes" in r]
+    assert counted and all(c == expected for c in counted), (run.name, counted, expected)
+    assert all(s > 0 for s in expected), (run.name, expected)
 
 
 PIPELINE_REFUSALS = [

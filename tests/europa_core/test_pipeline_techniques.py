@@ -56,6 +56,7 @@ def _relative(curve, reference) -> float:
 def test_flexshard_inside_stages_trains_as_without_stages_with_offload_overlap_and_resume(
     ranks, tmp_path
 ):
+    from tests.europa_core.test_pipeline import assert_sent_as_planned
     from tests.trainer_runs import train_runs
 
     records = ranks(train_runs, 4, str(tmp_path), _runs(), timeout=300)[0]
@@ -71,5 +72,8 @@ def test_flexshard_inside_stages_trains_as_without_stages_with_offload_overlap_a
         for key in ("loss", "grad_norm"):
             worst = _relative([r[key] for r in got], [r[key] for r in ref])
             assert worst <= 1e-5, (name, key, worst)
+    for run in _runs():  # stage-to-stage bytes, counted at torch's send ops, as planned
+        if run.name.startswith("pp2-") and run.resume_from is None:
+            assert_sent_as_planned(run, records[run.name], world=4)
     assert all(r["offload_bytes_offloaded"] > 0 for r in steps["pp2-ep2-offload"])
     assert all(r["overlap_comm_s"] > 0 for r in steps["pp2-ep2-overlap-dualpipev"])

@@ -28,6 +28,10 @@ CHECKPOINT_WAIT_S = "checkpoint_wait_s"
 CHECKPOINT_STAGING_BYTES = "checkpoint_staging_bytes"
 VAL_LOSS = "val_loss"
 VAL_PERPLEXITY = "val_perplexity"
+# With pipeline stages, one entry per pipeline rank: the bytes its stages sent to other
+# ranks this step, and the share of the schedule's run it waited (its bubble).
+PIPELINE_SENT_BYTES = "pipeline_sent_bytes"
+PIPELINE_BUBBLE = "pipeline_bubble"
 
 TRAINING_KEYS = frozenset(
     {
@@ -48,7 +52,8 @@ TRAINING_KEYS = frozenset(
 )
 VALIDATION_KEYS = frozenset({VAL_LOSS, VAL_PERPLEXITY})
 CHECKPOINT_KEYS = frozenset({CHECKPOINT_S, CHECKPOINT_WAIT_S, CHECKPOINT_STAGING_BYTES})
-CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS
+PIPELINE_KEYS = frozenset({PIPELINE_SENT_BYTES, PIPELINE_BUBBLE})
+CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS
 
 
 __all__ = [
@@ -64,6 +69,9 @@ __all__ = [
     "LOSS",
     "LR",
     "MEMORY_PEAK_BYTES",
+    "PIPELINE_BUBBLE",
+    "PIPELINE_KEYS",
+    "PIPELINE_SENT_BYTES",
     "SKIPPED",
     "SKIPPED_STEPS",
     "STEP",

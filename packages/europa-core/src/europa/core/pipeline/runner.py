@@ -17,6 +17,7 @@ summed (``scale_grads=False``), as the trainer's ``(loss / accum).backward()`` d
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Sequence
 
 import torch
@@ -24,9 +25,11 @@ import torch.distributed as dist
 from torch import nn
 
 from europa.core.model.load_balance import ExpertLoad
+from europa.core.pipeline.counters import StageCounters
 from europa.core.pipeline.cut import LAYERS
 from europa.core.pipeline.schedules import build_schedule
 from europa.core.pipeline.stages import rank_stages
+from europa.spec.metrics import PIPELINE_BUBBLE, PIPELINE_SENT_BYTES
 
 
 def stage_view(model: nn.Module, keep: Sequence[str]) -> nn.Module:
@@ -78,10 +81,25 @@ class PipelineRun:
                 "output_grads": (None,) if last else hidden,
             }
 
-        self.schedule, _ = build_schedule(
+        self.schedule, stages = build_schedule(
             config.parallel.pp_schedule, views, num_stages, job.device, self.group, micro,
             scaled_loss, shapes,
         )  # fmt: skip
+        self.counters = StageCounters(stages)
+
+    def step_metrics(self) -> dict[str, list[float]]:
+        """This step's bytes sent and bubble of every pipeline rank (a collective)."""
+        counters = self.counters
+        mine = torch.tensor(
+            [float(counters.sent_bytes), 1 - counters.compute_s / self.schedule_s],
+            dtype=torch.float64,
+        )
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(every, mine, group=self.group)
+        return {
+            PIPELINE_SENT_BYTES: [int(t[0]) for t in every],
+            PIPELINE_BUBBLE: [float(t[1]) for t in every],
+        }
 
     def whole_model_load(self, load: ExpertLoad) -> ExpertLoad:
         """Every stage's expert loads (each rank measured its own layers'), on every rank."""
@@ -94,8 +112,11 @@ class PipelineRun:
         step's loss (the mean over micro-batches) on every rank of the pipeline."""
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.first else ()
+        self.counters.reset()
+        started = time.perf_counter()
         self.schedule.step(*args, target=labels if self.last else None,
                            losses=losses if self.last else None)  # fmt: skip
+        self.schedule_s = time.perf_counter() - started
         total = torch.zeros((), device=inputs.device)
         for loss in losses:
             total += loss.detach()

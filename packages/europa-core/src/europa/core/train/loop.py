@@ -282,8 +282,10 @@ class Trainer:
             loss = self._forward_backward(step)
             grad_norm = self._clip()
             load = update_expert_bias(self.model, self.data_group)
+            staged = {}
             if self.pipeline is not None:
                 load = self.pipeline.whole_model_load(load)
+                staged = self.pipeline.step_metrics()
             lr = self.scheduler.get_last_lr()[0]
             skipped = self.skipped.skips(step, grad_norm)
             if not skipped:
@@ -304,6 +306,7 @@ class Trainer:
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
+            **staged,
             **self.skipped.record(skipped),
         }
 

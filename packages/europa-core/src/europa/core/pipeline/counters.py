@@ -1,0 +1,50 @@
+"""What a pipeline rank's stages did in a step, counted where torch's stages do it: the
+bytes they sent to other ranks (each send op a stage hands the schedule) and the time
+they computed (each forward, backward and weight-gradient chunk). The rest of the step
+the rank waited: its bubble, to hold beside the plan's."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+SENDS = ("get_fwd_send_ops", "get_bwd_send_ops")
+
+
+class StageCounters:
+    """Counts, from now on, what ``stages`` (torch ``PipelineStage``s) send and compute,
+    by wrapping those methods on each stage object."""
+
+    def __init__(self, stages: Sequence) -> None:
+        self.sent_bytes = 0
+        self.compute_s = 0.0
+        for stage in stages:
+            for name in COMPUTE:
+                setattr(stage, name, self._timed(getattr(stage, name)))
+            for name in SENDS:
+                setattr(stage, name, self._counted(getattr(stage, name)))
+
+    def reset(self) -> None:
+        self.sent_bytes, self.compute_s = 0, 0.0
+
+    def _timed(self, method: Callable) -> Callable:
+        @functools.wraps(method)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - started
+
+        return timed
+
+    def _counted(self, method: Callable) -> Callable:
+        @functools.wraps(method)
+        def counted(*args, **kwargs):
+            ops = method(*args, **kwargs)
+            self.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            return ops
+
+        return counted
