@@ -206,6 +206,7 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, shape
         proposals_table,
         search_layouts,
         smallest_replica,
+        staged_json,
     )
 
     per_node = resolved.parallel.ranks_per_node or profile.gpus_per_node
@@ -221,8 +222,8 @@ def _search(source, overrides, plugins, manager, resolved, profile, world, shape
     )
     note = result.note(world, profile.name)
     if result.proposals:
-        plan = result.proposals[0].plan
-        found = {"note": note, "proposals": proposals_json(result)}
+        plan = result.best.plan
+        found = {"note": note, "proposals": proposals_json(result), "stages": staged_json(result)}
         text = "\n".join([plan_table(plan), note, proposals_table(result)])
         return plan, plan_json(plan) | {"search": found}, text
     searchable = dataclasses.replace(

@@ -30,6 +30,7 @@ from typing import Any
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import is_user_error
 from europa.core.plan.planner import Plan
+from europa.core.plan.search_stages import stage_levers
 from europa.core.session import open_session
 from europa.spec.plan_mapping import SearchInputs
 
@@ -72,15 +73,26 @@ class SearchResult:
     seconds: float
     base: EuropaConfig
     defaults: dict[str, Any]  # every installed table's, by "table.key"
+    # With pipeline stages, around the best layout without (``search_stages``); fastest first
+    staged: list[Proposal] = dataclasses.field(default_factory=list)
+
+    @property
+    def best(self) -> Proposal | None:
+        """The fastest that fits, with or without stages."""
+        fitting = [p for p in (self.proposals[:1] + self.staged[:1])]
+        return min(fitting, key=lambda p: p.step.step_s, default=None)
 
     def arguments(self, proposal: Proposal) -> str:
         return proposal.arguments(self.base, self.defaults)
 
+    def _staged_note(self) -> str:
+        return f" without stages and {len(self.staged)} with" if self.staged else ""
+
     def note(self, world_size: int, hardware: str) -> str:
         return (
             f"search: {self.planned} layout(s) planned for {world_size} rank(s) on {hardware} "
-            f"in {self.seconds:.1f} s, {len(self.proposals)} fit ({self.skipped} combination(s) "
-            "refused by the config rules were skipped)"
+            f"in {self.seconds:.1f} s, {len(self.proposals)} fit{self._staged_note()} "
+            f"({self.skipped} combination(s) refused by the config rules were skipped)"
         )
 
 
@@ -170,41 +182,56 @@ def search_layouts(
         levers += plugin_levers or []
     searched = {p for lever in levers for alternative in lever for p in alternative["plugins"]}
     kept = [p for p in base.plugins.enabled if p not in searched]  # the file's and -p's
-    proposals: list[Proposal] = []
-    planned = skipped = 0
-    for combination in itertools.product(*levers):
-        combined = _combine(combination)
-        if combined is None:
-            continue
-        enabled, sets = combined
-        chosen = tuple(kept + sorted(enabled))
-        settings = [
-            *overrides,
-            *(f"{k}={toml_value(v)}" for k, v in sets.items()),
-            f"plugins.enabled={json.dumps(list(chosen))}",
-        ]
-        try:
-            config, _ = open_session(source, settings, (), manager)
-            plan = plan_for(config, manager)
-        except Exception as err:
-            if not is_user_error(err):
-                raise
-            skipped += 1
-            continue
-        planned += 1
-        if plan.fits:
-            proposals.append(Proposal(chosen, tuple(sets.items()), plan))
     defaults = table_defaults(manager)
-    # Fastest first; then the least memory; then the fewest changes to the command.
-    proposals.sort(
-        key=lambda p: (
-            round(p.step.step_s, 9),
-            p.plan.device_total,
-            len(p.arguments(base, defaults)),
+
+    def plan_all(levers) -> tuple[list[Proposal], int, int]:
+        """Every combination of ``levers`` planned: (those that fit, fastest first; planned;
+        refused)."""
+        fitting: list[Proposal] = []
+        planned = skipped = 0
+        for combination in itertools.product(*levers):
+            combined = _combine(combination)
+            if combined is None:
+                continue
+            enabled, sets = combined
+            chosen = tuple(kept + sorted(enabled))
+            settings = [
+                *overrides,
+                *(f"{k}={toml_value(v)}" for k, v in sets.items()),
+                f"plugins.enabled={json.dumps(list(chosen))}",
+            ]
+            try:
+                config, _ = open_session(source, settings, (), manager)
+                plan = plan_for(config, manager)
+            except Exception as err:
+                if not is_user_error(err):
+                    raise
+                skipped += 1
+                continue
+            planned += 1
+            if plan.fits:
+                fitting.append(Proposal(chosen, tuple(sets.items()), plan))
+        # Fastest first; then the least memory; then the fewest changes to the command.
+        fitting.sort(
+            key=lambda p: (
+                round(p.step.step_s, 9),
+                p.plan.device_total,
+                len(p.arguments(base, defaults)),
+            )
         )
-    )
+        return fitting, planned, skipped
+
+    proposals, planned, skipped = plan_all(levers)
+    staged: list[Proposal] = []
+    if base.parallel.pp == 1 and proposals:
+        best = proposals[0]
+        around = stage_levers(base, world_size, ranks_per_node, best.plugins, dict(best.sets))
+        staged, more, refused = plan_all(around) if around else ([], 0, 0)
+        planned, skipped = planned + more, skipped + refused
     manager.enable(base.plugins.enabled)  # as the user's own config left it
-    return SearchResult(proposals, planned, skipped, time.perf_counter() - started, base, defaults)
+    return SearchResult(
+        proposals, planned, skipped, time.perf_counter() - started, base, defaults, staged
+    )
 
 
 def proposals_json(result: SearchResult, shown: int = SHOWN) -> list[dict[str, Any]]:
@@ -225,23 +252,49 @@ def proposals_json(result: SearchResult, shown: int = SHOWN) -> list[dict[str, A
     ]
 
 
-def proposals_table(result: SearchResult, shown: int = SHOWN) -> str:
+def staged_json(result: SearchResult) -> dict[str, Any] | None:
+    """The best layout without and with pipeline stages (None: no stages searched)."""
+    if not result.staged:
+        return None
+    return {
+        "without_stages": proposals_json(result, 1)[0] if result.proposals else None,
+        "with_stages": proposals_json(dataclasses.replace(result, proposals=result.staged), 1)[0],
+    }
+
+
+def _proposal_row(label: str, p: Proposal) -> str:
     from europa.spec.units import human
 
+    plan = p.plan
+    return (
+        f"  {label:>2}  {p.step.step_s:>6.3g} s  {p.step.mfu * 100:>5.1f}%  "
+        f"{p.step.exposed_s:>6.3g} s  "
+        f"{human(plan.device_total) + ' / ' + human(plan.device_capacity):>21}  "
+        f"{human(plan.host_total) + ' / ' + human(plan.host_capacity):>21}"
+    )
+
+
+HEADER = f"  {'#':>2}  {'step':>8}  {'MFU':>6}  {'exposed':>8}  {'device':>21}  {'host':>21}"
+
+
+def proposals_table(result: SearchResult, shown: int = SHOWN) -> str:
     lines = [
         f"the fastest {min(shown, len(result.proposals))} that fit (planned, not measured); "
         "each line's -p replaces the command's, its --set adds to the command's:",
-        f"  {'#':>2}  {'step':>8}  {'MFU':>6}  {'exposed':>8}  {'device':>21}  {'host':>21}",
+        HEADER,
     ]
     for i, p in enumerate(result.proposals[:shown], 1):
-        plan = p.plan
-        lines.append(
-            f"  {i:>2}  {p.step.step_s:>6.3g} s  {p.step.mfu * 100:>5.1f}%  "
-            f"{p.step.exposed_s:>6.3g} s  "
-            f"{human(plan.device_total) + ' / ' + human(plan.device_capacity):>21}  "
-            f"{human(plan.host_total) + ' / ' + human(plan.host_capacity):>21}"
-        )
+        lines.append(_proposal_row(str(i), p))
         lines.append(f"      {result.arguments(p) or '(the command as it is)'}")
+    if result.staged:
+        lines += [
+            "the best without and with pipeline stages (planned; stages searched around the "
+            "best without them):",
+            HEADER,
+        ]
+        for label, p in (("-", result.proposals[0]), ("pp", result.staged[0])):
+            lines.append(_proposal_row(label, p))
+            lines.append(f"      {result.arguments(p) or '(the command as it is)'}")
     return "\n".join(lines)
 
 
