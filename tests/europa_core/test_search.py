@@ -109,6 +109,11 @@ def test_the_seed_search_prints_its_best_layouts_as_json(capsys):
     assert best["device_bytes"] <= best["device_capacity"]
     assert [p["step_s"] for p in proposals] == sorted(p["step_s"] for p in proposals)
     assert "-p flexshard" in best["arguments"] and "parallel.ep=384" in best["arguments"]
+    # the best with pipeline stages beside the best without: the seed's 61 layers in stages
+    staged = found["search"]["stages"]
+    assert staged["without_stages"] == best
+    assert "parallel.pp=" in staged["with_stages"]["arguments"]
+    assert staged["with_stages"]["device_bytes"] <= staged["with_stages"]["device_capacity"]
 
 
 # -- every proposal trains: the 3 best for debug on 4 CPU ranks, 2 steps each --------------

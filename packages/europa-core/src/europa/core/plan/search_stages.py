@@ -4,9 +4,11 @@ Planning every lever's product once more for each number of stages and each sche
 would multiply the search by twenty and each layout by its pipeline ranks. So the stages
 are searched around the best layout without them: its plugins and technique settings
 kept, and explored: ``parallel.pp`` (2, 4, 8, 16 where the ranks and layers allow), the
-schedule, ``parallel.ep`` over the ranks of one stage, recomputation, and micro-batch ×
-accumulation at the same global batch (a pipeline's ranks read the same sequences, so
-its data ranks each read ``pp`` times as many).
+schedule, ``parallel.ep`` over the ranks of one stage and recomputation. The global batch
+stays: a pipeline's ranks read the same sequences, so its data ranks each read ``pp``
+times as many, one sequence a micro-batch (the most micro-batches: the least bubble and
+the fewest activations held; the plan's compute grows with the tokens, not their
+grouping).
 """
 
 from __future__ import annotations
@@ -44,19 +46,14 @@ def stage_levers(
             continue
         for schedule in SCHEDULE_NAMES:
             for ep in _expert_groups(per_replica, ranks_per_node, base.model.num_experts):
-                for b, n in _batches(sequences * pp):
-                    stages.append(
-                        {
-                            "plugins": [],
-                            "set": {
-                                "parallel.pp": pp,
-                                "parallel.pp_schedule": schedule,
-                                "parallel.ep": ep,
-                                "training.batch_size": b,
-                                "training.grad_accum_steps": n,
-                            },
-                        }
-                    )
+                settings = {
+                    "parallel.pp": pp,
+                    "parallel.pp_schedule": schedule,
+                    "parallel.ep": ep,
+                    "training.batch_size": 1,
+                    "training.grad_accum_steps": sequences * pp,
+                }
+                stages.append({"plugins": [], "set": settings})
     if not stages:
         return []
     recompute = [
@@ -76,8 +73,3 @@ def _expert_groups(per_replica: int, per_node: int, experts: int) -> list[int]:
         if per_node % ep == 0 or ep % per_node == 0:
             out.append(ep)
     return out
-
-
-def _batches(sequences: int) -> list[tuple[int, int]]:
-    """Every micro-batch × accumulation holding ``sequences``, the most micro-batches first."""
-    return [(b, sequences // b) for b in range(1, sequences + 1) if sequences % b == 0]

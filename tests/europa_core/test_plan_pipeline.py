@@ -1,0 +1,101 @@
+"""The plan of pipeline stages (``europa.core.pipeline.simulate``,
+``europa.core.plan.pipeline_plan``): the schedules' orders played out, and each pipeline
+rank planned over its own layers."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
+from europa.core.pipeline.kinds import SCHEDULE_NAMES, stages_per_rank
+from europa.core.pipeline.simulate import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    rank_orders,
+    simulate,
+)
+
+schedules = st.sampled_from(SCHEDULE_NAMES)
+
+
+def _valid(schedule: str, pp: int, micro: int) -> bool:
+    stages = pp * stages_per_rank(schedule, 0)
+    if schedule in ("1f1b", "dualpipev") and micro < stages:
+        return False
+    return not (schedule == "interleaved-1f1b" and micro % max(1, micro // pp))
+
+
+@settings(max_examples=40, deadline=None)
+@given(schedules, st.integers(2, 4), st.integers(2, 12), st.lists(st.floats(0.5, 3), min_size=8,
+                                                                   max_size=8))  # fmt: skip
+def test_every_stage_runs_each_micro_batch_once_after_what_it_needs(schedule, pp, micro, costs):
+    assume(_valid(schedule, pp, micro))
+    per_rank = stages_per_rank(schedule, 0)
+    orders = rank_orders(schedule, pp, per_rank, micro)
+    stages = pp * per_rank
+    actions = [a for order in orders.values() for a in order]
+    forwards = sorted((a.stage, a.micro) for a in actions if a.kind == FORWARD)
+    assert forwards == [(s, m) for s in range(stages) for m in range(micro)]
+    for s in range(stages):  # each stage's backward once, whole or as input then weights
+        for m in range(micro):
+            kinds = sorted(a.kind for a in actions if (a.stage, a.micro) == (s, m))
+            assert kinds in ([BACKWARD, FORWARD], [FORWARD, INPUT_GRAD, WEIGHT_GRAD]), kinds
+    # a rank runs only its own stages, and the step is no shorter than its busiest rank
+    sim = simulate(orders, lambda s: costs[s], lambda a, b: 0.25)
+    for rank, order in orders.items():
+        assert {a.stage for a in order} <= set(range(stages))
+        assert sim.busy_s[rank] <= sim.step_s + 1e-9
+        assert 0 <= sim.bubble(rank) < 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 8), st.integers(1, 24))
+def test_1f1b_with_equal_stages_waits_its_textbook_bubble_and_holds_p_minus_r(pp, micro):
+    micro = max(micro, pp)
+    sim = simulate(rank_orders("1f1b", pp, 1, micro), lambda s: 3.0, lambda a, b: 0.0,
+                   lambda s: 1.0)  # fmt: skip
+    assert sim.step_s == pytest.approx(3.0 * (micro + pp - 1))
+    for rank in range(pp):
+        assert sim.bubble(rank) == pytest.approx((pp - 1) / (micro + pp - 1))
+        assert sim.peak_held[rank] == min(micro, pp - rank)  # the first stage holds P
+
+
+def test_an_order_that_cannot_proceed_is_named():
+    stuck = {0: [Action(0, BACKWARD, 0)], 1: [Action(1, FORWARD, 0)]}
+    with pytest.raises(ValueError, match=r"ranks wait at \{0: '0B0', 1: '1F0'\}"):
+        simulate(stuck, lambda s: 1.0, lambda a, b: 0.0)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
+def test_each_pipeline_rank_is_planned_over_its_own_layers_once(schedule):
+    from europa.core.model import build_moe_model
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.plan.shapes import ModelShapes
+    from europa.core.session import open_session
+
+    sets = ["parallel.pp=2", "training.grad_accum_steps=4", f'parallel.pp_schedule="{schedule}"']
+    config, plugins = open_session("tiny", sets, ["flexshard"])
+    shapes = ModelShapes.of(build_moe_model(config.model))
+    plan = make_plan(config, plugins, load_profile("cpu"), 4, shapes=shapes)
+    pipeline = plan.pipeline
+    # every module on exactly one pipeline rank; stages cut once, in order
+    held = [m for r in pipeline.ranks for m in r.modules]
+    assert sorted(held) == sorted(m for stage in pipeline.stage_modules for m in stage)
+    assert len(held) == len(set(held))
+    layers = [m for stage in pipeline.stage_modules for m in stage if m.startswith("layers.")]
+    assert layers == [f"layers.{k}" for k in shapes.layer_keys()]
+    # each rank's parameters once: the ranks' parameter counts sum to the model's
+    parts = [shapes.subset(r.modules).counts.total for r in pipeline.ranks]
+    assert sum(parts) == shapes.counts.total
+    # what flows between stages, each step: a hidden state per micro-batch and crossing
+    t = config.training
+    assert pipeline.hidden_bytes == t.batch_size * t.seq_len * config.model.dim * 4  # fp32
+    assert all(r.send_bytes % pipeline.hidden_bytes == 0 and r.send_bytes for r in pipeline.ranks)
+    # the heaviest rank's memory is the plan's, and every plan of it is the same
+    assert plan.device_total == max(r.device_bytes for r in pipeline.ranks)
+    again = make_plan(config, plugins, load_profile("cpu"), 4, shapes=shapes)
+    assert again.pipeline == pipeline
