@@ -136,10 +136,14 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     config.optimizer = default_adamw(
         lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps, weight_decay=opt.weight_decay
     )
+    # europa's micro-batches: as many accumulated per step on every rank; with ``pp``
+    # stages, the pipeline's micro-batches of one local batch, as europa's stages run them
+    pp = args.get("pp", 1)
+    micro, accum = europa.training.batch_size, europa.training.grad_accum_steps
+    local = micro * accum if pp > 1 else micro
     config.training = TrainingConfig(
-        local_batch_size=europa.training.batch_size,
-        # europa's micro-batches: as many accumulated per step on every rank
-        global_batch_size=europa.training.batch_size * world * europa.training.grad_accum_steps,
+        local_batch_size=local,
+        global_batch_size=micro * (world // pp) * accum,
         seq_len=europa.training.seq_len,
         steps=args["steps"],
         max_norm=europa.training.max_grad_norm,
@@ -157,9 +161,12 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     # activation_checkpointing.mode = "full".
     replicas = world if args.get("replicate") else 1
     config.parallelism = ParallelismConfig(
-        data_parallel_shard_degree=world // replicas,
+        data_parallel_shard_degree=world // replicas // pp,
         data_parallel_replicate_degree=replicas,
         expert_parallel_degree=args.get("ep", 1),
+        pipeline_parallel_degree=pp,
+        pipeline_parallel_schedule=args.get("pp_schedule", "1F1B"),
+        pipeline_parallel_microbatch_size=micro,
         spmd_backend="partial_dtensor",
     )
     config.checkpoint = CheckpointManager.Config(enable=False)
