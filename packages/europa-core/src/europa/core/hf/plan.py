@@ -23,7 +23,7 @@ from europa.core.hf.config_map import check_model_matches, model_table_from_hf, 
 from europa.core.hf.load import HFInitialiser
 from europa.core.hf.names import hf_tensors, name_map
 from europa.core.hf.reader import INDEX, SINGLE, HFCheckpoint
-from europa.core.plan.planner import plugin_plan
+from europa.core.plan.assemble import plugin_plan
 from europa.core.plan.shapes import ModelShapes
 from europa.spec.units import human
 

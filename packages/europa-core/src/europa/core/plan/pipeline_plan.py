@@ -32,44 +32,15 @@ from europa.core.pipeline.cut import EMBEDDING, HEAD
 from europa.core.pipeline.kinds import stages_per_rank
 from europa.core.pipeline.simulate import Simulation, rank_orders, simulate
 from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
+from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_activations
 from europa.core.plan.checkpoint_cost import write_seconds
 from europa.core.plan.memory import unique_state_bytes
+from europa.core.plan.record import PipelinePlan, PipelineRank
 from europa.core.plan.timing import StepTime
 from europa.core.plan.traffic import INTER, INTRA, Traffic
 
 ROOT = "<root>"  # the activations of the embedding, the final norm and the loss
 STAGE_KIND = "pipeline_send"  # hidden states forward, their gradients back
-
-
-@dataclass(frozen=True)
-class PipelineRank:
-    rank: int  # its place on the pipeline axis
-    stages: tuple[int, ...]
-    modules: tuple[str, ...]
-    device_bytes: int  # at its peak, the micro-batches it holds included
-    held_micro_batches: float  # the most saved activations it holds, in micro-batches
-    send_bytes: int  # per step: hidden states and gradients to other pipeline ranks
-    busy_s: float  # its stages' compute and own exposed traffic
-    bubble: float  # the share of the step it waits
-
-
-@dataclass(frozen=True)
-class PipelinePlan:
-    schedule: str
-    pp: int
-    stages: int
-    micro_batches: int
-    stage_modules: tuple[tuple[str, ...], ...]  # every stage's modules, in order
-    ranks: tuple[PipelineRank, ...]
-    hidden_bytes: int  # one micro-batch's hidden state (or its gradient) between stages
-    link: str  # the link a stage transfer crosses
-    step_s: float
-    without_overlap_s: float
-
-    @property
-    def bubble(self) -> float:
-        """The share of the step the pipeline's ranks wait, on average."""
-        return sum(r.bubble for r in self.ranks) / len(self.ranks)
 
 
 def stage_link(pp_from: int, pp_to: int, data_ranks: int, per_node: int) -> str:
@@ -85,7 +56,6 @@ def stage_link(pp_from: int, pp_to: int, data_ranks: int, per_node: int) -> str:
 def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: int):
     """The plan of ``config`` with ``parallel.pp > 1`` stages (see the design note)."""
     from europa.core.launch.distributed import mesh_shape
-    from europa.core.plan.planner import StageScope, _assemble, plugin_plan, stage_activations
 
     parallel, training = config.parallel, config.training
     pp, micro = parallel.pp, training.grad_accum_steps
@@ -121,7 +91,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
             held_host=round(held_host.peak_held[r]),
         )
         sub = shapes.subset(modules)
-        plans[r] = _assemble(alone, hardware, data_ranks, mesh, sub, plugin_plans[r], per_node,
+        plans[r] = assemble(alone, hardware, data_ranks, mesh, sub, plugin_plans[r], per_node,
                              scope)  # fmt: skip
 
     hidden = training.batch_size * training.seq_len * config.model.dim * _itemsize(training)

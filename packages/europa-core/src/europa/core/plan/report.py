@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.core.plan.pipeline_plan import PipelinePlan
-from europa.core.plan.planner import Plan
+from europa.core.plan.record import PipelinePlan, Plan
 from europa.core.plan.timing import StepTime
 from europa.spec.units import human
 

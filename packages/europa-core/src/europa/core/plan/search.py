@@ -29,7 +29,7 @@ from typing import Any
 
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import is_user_error
-from europa.core.plan.planner import Plan
+from europa.core.plan.record import Plan
 from europa.core.plan.search_stages import stage_levers
 from europa.core.session import open_session
 from europa.spec.plan_mapping import SearchInputs
