@@ -1,6 +1,7 @@
-"""Techniques inside pipeline stages: FlexShard with expert parallelism in each stage,
-with offload and overlap, against the same layout without stages; 4 gloo ranks, one
-spawned group for every run."""
+"""Pipeline stages on 4 gloo ranks, one spawned group for every run: stages sharded by
+core's FSDP2 (or replicated) against FSDP2 alone, and FlexShard with expert parallelism
+in each stage, with offload and overlap, against the same layout without stages; each
+resumed across a change of ``pp``."""
 
 from __future__ import annotations
 
@@ -20,7 +21,27 @@ def _schedule(name: str) -> str:
     return f'parallel.pp_schedule="{name}"'
 
 
-def _runs():
+def _fsdp2_runs():
+    from tests.trainer_runs import Run
+
+    four_stages = [*SAME_BATCH, "parallel.pp=4", "training.batch_size=4",
+                   "training.grad_accum_steps=4"]  # fmt: skip
+    return [
+        Run("fsdp4", WHOLE),
+        *(Run(f"pp2-fsdp2-{s}", [*STAGED, _schedule(s)]) for s in ("1f1b", "interleaved-1f1b")),
+        # replicas beside stages: FSDP2's HSDP on a (2, 1) mesh (DDP would hook the rank
+        # module's forward, which stages never run)
+        Run("pp2-replicas", [*STAGED, "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+        # its reference: replicas alone (DDP over 4), whose gradient norm differs from
+        # FSDP2's by 3e-5 relative without any stage (the sums' order)
+        Run("replicas4", [*WHOLE, "parallel.dp_replicate=4", "parallel.dp_shard=1"]),
+        # the pp=2 checkpoint of step SAVED, resumed on 4 stages and without stages
+        Run("pp4-from-pp2", four_stages, resume_from="pp2-fsdp2-1f1b"),
+        Run("fsdp4-from-pp2", WHOLE, resume_from="pp2-fsdp2-1f1b"),
+    ]
+
+
+def _flexshard_runs():
     from tests.trainer_runs import Run
 
     return [
@@ -52,28 +73,62 @@ def _relative(curve, reference) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(curve, reference, strict=True))
 
 
-@pytest.mark.distributed
-def test_flexshard_inside_stages_trains_as_without_stages_with_offload_overlap_and_resume(
-    ranks, tmp_path
-):
-    from tests.europa_core.test_pipeline import assert_sent_as_planned
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    from tests.conftest import run_ranks
     from tests.trainer_runs import train_runs
 
-    records = ranks(train_runs, 4, str(tmp_path), _runs(), timeout=300)[0]
-    steps = {name: [r for r in rows if "loss" in r] for name, rows in records.items()}
-    reference = steps["ep2"]
-    assert len(reference) == STEPS
+    root = tmp_path_factory.mktemp("pipeline-four-ranks")
+    runs = [*_fsdp2_runs(), *_flexshard_runs()]
+    return run_ranks(train_runs, 4, str(root), runs, timeout=400)[0]
+
+
+def _steps(records, names) -> dict[str, list[dict]]:
+    return {name: [r for r in records[name] if "loss" in r] for name in names}
+
+
+def _assert_follow(steps: dict[str, list[dict]], reference: str, **others: str) -> None:
+    """Every run's losses and gradient norms follow ``reference``'s (or, for a run named
+    in ``others``, the run named there) within 1e-5 relative (a resumed run's from the
+    step after the checkpoint it resumed)."""
     for name, rows in steps.items():
+        ref = steps[others.get(name.replace("-", "_"), reference)]
+        assert len(ref) == STEPS
         start = SAVED if "-from-" in name else 0
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), name
-        ref, got = reference[start:], rows[start:]
         # The gradient norm too: Muon's step hardly changes with the gradient's scale, so
         # the losses alone would miss a gradient averaged over the wrong ranks.
         for key in ("loss", "grad_norm"):
-            worst = _relative([r[key] for r in got], [r[key] for r in ref])
+            worst = _relative([r[key] for r in rows[start:]], [r[key] for r in ref[start:]])
             assert worst <= 1e-5, (name, key, worst)
-    for run in _runs():  # stage-to-stage bytes, counted at torch's send ops, as planned
+
+
+def _assert_sent_as_planned(runs, records) -> None:
+    """Stage-to-stage bytes, counted at torch's send ops, as planned."""
+    from tests.europa_core.test_pipeline import assert_sent_as_planned
+
+    for run in runs:
         if run.name.startswith("pp2-") and run.resume_from is None:
             assert_sent_as_planned(run, records[run.name], world=4)
+
+
+@pytest.mark.distributed
+def test_stages_sharded_by_fsdp2_train_as_fsdp2_alone_does_and_resume_on_4_stages(four_ranks):
+    runs = _fsdp2_runs()
+    steps = _steps(four_ranks, [r.name for r in runs])
+    # one data rank a stage (pp = 4) computes as replicas do, without FSDP2's sums
+    same_as_replicas = dict.fromkeys(("pp2_replicas", "replicas4", "pp4_from_pp2"), "replicas4")
+    _assert_follow(steps, "fsdp4", **same_as_replicas)
+    _assert_sent_as_planned(runs, four_ranks)
+
+
+@pytest.mark.distributed
+def test_flexshard_inside_stages_trains_as_without_stages_with_offload_overlap_and_resume(
+    four_ranks,
+):
+    runs = _flexshard_runs()
+    steps = _steps(four_ranks, [r.name for r in runs])
+    _assert_follow(steps, "ep2")
+    _assert_sent_as_planned(runs, four_ranks)
     assert all(r["offload_bytes_offloaded"] > 0 for r in steps["pp2-ep2-offload"])
     assert all(r["overlap_comm_s"] > 0 for r in steps["pp2-ep2-overlap-dualpipev"])
