@@ -18,6 +18,13 @@ collective is done. So a rank's step is measured by three kinds of interval:
 beside. Communication covered by compute is the part of the communication
 intervals outside the blocked ones.
 
+With pipeline stages (``torch.distributed.pipelining``), each chunk a stage computes
+(``PipelineStage.forward_one_chunk``, ``backward_one_chunk``,
+``backward_weight_one_chunk``) is a **stage span**: its stage, action (``F``, ``B``, or a
+split backward's ``I`` and ``W``) and micro-batch. The step outside every span is the
+rank's pipeline bubble; the blocked time inside a stage's spans is that stage's exposed
+communication.
+
 How it hooks in: the ``torch.distributed`` entry points the layouts call
 (FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``;
 europa-flexshard and this package look them up at call time as well, and
@@ -35,6 +42,7 @@ C++) are seen by a dispatch mode held around the step that looks only at the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import json
@@ -117,6 +125,17 @@ def subtract(spans: list[tuple[float, float]], holes: list[tuple[float, float]])
     return out
 
 
+@dataclass(frozen=True)
+class StageSpan:
+    """A pipeline stage's chunk: ``action`` (F, B, I or W) of micro-batch ``micro``."""
+
+    stage: int
+    action: str
+    micro: int
+    start: float
+    end: float
+
+
 @dataclass
 class StepTimeline:
     """One rank's step: times in seconds from the step's start."""
@@ -126,6 +145,7 @@ class StepTimeline:
     duration: float
     comm: list[Interval] = field(default_factory=list)
     blocked: list[Interval] = field(default_factory=list)
+    stages: list[StageSpan] = field(default_factory=list)
 
     def compute(self) -> list[Interval]:
         holes = [(b.start, b.end) for b in self.blocked]
@@ -148,6 +168,21 @@ class StepTimeline:
                 out[f"{kind}_exposed_s"] = union_seconds(
                     [i for i in self.blocked if i.kind == kind]
                 )
+        if self.stages:
+            out.update(self._stage_summary())
+        return out
+
+    def _stage_summary(self) -> dict[str, float]:
+        """The pipeline bubble (the step outside every stage span), and per stage its
+        spans' time and the blocked time inside them."""
+        spans = [(s.start, s.end) for s in self.stages]
+        out = {"pipeline_bubble_s": self.duration - union_seconds(spans)}
+        blocked = [(b.start, b.end) for b in self.blocked]
+        for stage in sorted({s.stage for s in self.stages}):
+            mine = [(s.start, s.end) for s in self.stages if s.stage == stage]
+            inside = union_seconds(mine) - union_seconds(subtract(mine, blocked))
+            out[f"stage{stage}_s"] = union_seconds(mine)
+            out[f"stage{stage}_exposed_comm_s"] = inside
         return out
 
     def as_dict(self) -> dict[str, Any]:
@@ -161,6 +196,10 @@ class StepTimeline:
             "compute": rows(self.compute()),
             "comm": rows(self.comm),
             "blocked": rows(self.blocked),
+            "stages": [
+                [s.stage, s.action, s.micro, round(s.start, 6), round(s.end, 6)]
+                for s in self.stages
+            ],
         }
 
 
@@ -292,6 +331,7 @@ def _kind_of(kind: str | None, bound: dict[str, Any]) -> str | None:
 def _install() -> None:
     if _ORIGINALS:
         return
+    _install_stage_spans()
     for name in ENTRY_POINTS:
         original = getattr(dist.distributed_c10d, name, None)
         if original is None:
@@ -302,7 +342,49 @@ def _install() -> None:
         setattr(dist, name, wrapped)
 
 
+# PipelineStage's compute methods -> the action their span records.
+STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+_STAGE_ORIGINALS: dict[str, Callable] = {}
+
+
+def _install_stage_spans() -> None:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    for name in STAGE_METHODS:
+        original = getattr(_PipelineStageBase, name)
+        _STAGE_ORIGINALS[name] = original
+        setattr(_PipelineStageBase, name, _spanned(name, original))
+
+
+def _spanned(name: str, original: Callable) -> Callable:
+    @functools.wraps(original)
+    def spanned(stage, micro: int, *args, **kwargs):
+        if not _ACTIVE:
+            return original(stage, micro, *args, **kwargs)
+        started = time.perf_counter()
+        try:
+            return original(stage, micro, *args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            action = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(name)
+            if action is None:  # a whole backward, or a split one's input half
+                action = "B" if kwargs.get("full_backward", True) else "I"
+            for timeline in _ACTIVE:
+                timeline._add_stage(StageSpan(stage.stage_index, action, micro, started, ended))
+
+    return spanned
+
+
+def _uninstall_stage_spans() -> None:
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    for name, original in _STAGE_ORIGINALS.items():
+        setattr(_PipelineStageBase, name, original)
+    _STAGE_ORIGINALS.clear()
+
+
 def _uninstall() -> None:
+    _uninstall_stage_spans()
     for name, original in _ORIGINALS.items():
         setattr(dist.distributed_c10d, name, original)
         setattr(dist, name, original)
@@ -325,6 +407,7 @@ class Timeline:
         self._open: tuple[int, float] | None = None
         self._comm: list[Interval] = []
         self._blocked: list[Interval] = []
+        self._stages: list[StageSpan] = []
 
     def install(self) -> Timeline:
         _install()
@@ -347,6 +430,10 @@ class Timeline:
         with self._lock:
             self._blocked.append(Interval(kind, start, end))
 
+    def _add_stage(self, span: StageSpan) -> None:
+        with self._lock:
+            self._stages.append(span)
+
     def write(self, run_dir: Path | str) -> Path:
         """Append the last step's intervals to ``run_dir/overlap/timeline-rank<r>.jsonl``,
         which ``europa trace`` (``europa.overlap.trace``) draws."""
@@ -360,7 +447,7 @@ class Timeline:
     @contextlib.contextmanager
     def step(self, index: int) -> Iterator[None]:
         _install()
-        self._comm, self._blocked = [], []
+        self._comm, self._blocked, self._stages = [], [], []
         started = time.perf_counter()
         self._open = (index, started)
         _ACTIVE.append(self)
@@ -374,7 +461,11 @@ class Timeline:
             with self._lock:  # a completion callback may still be arriving: clip it
                 comm = [_relative(i, started, ended) for i in self._comm]
                 blocked = [_relative(i, started, ended) for i in self._blocked]
-            self.last = StepTimeline(index, self.rank, ended - started, comm, blocked)
+                stages = [
+                    dataclasses.replace(s, start=s.start - started, end=s.end - started)
+                    for s in self._stages
+                ]
+            self.last = StepTimeline(index, self.rank, ended - started, comm, blocked, stages)
 
 
 def _relative(interval: Interval, origin: float, end: float) -> Interval:

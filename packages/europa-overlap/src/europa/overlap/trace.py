@@ -33,6 +33,8 @@ COLOURS = {
     "all_reduce": "#b07aa1",
     "exposed": "#e15759",
 }
+# A pipeline stage's chunks: forward, whole backward, a split backward's two halves.
+STAGE_COLOURS = {"F": "#76b7b2", "B": "#9c755f", "I": "#bab0ac", "W": "#ff9da7"}
 ROW_HEIGHT, ROW_GAP, LANE_GAP, LABEL_WIDTH, WIDTH = 12, 2, 18, 190, 1400
 
 
@@ -95,8 +97,23 @@ def lanes(records: list[dict[str, Any]]) -> dict[int, list[tuple[str, list[list]
             for index, row in enumerate(_stack([c for c in comm if c[0] == kind])):
                 rows.append((kind if index == 0 else f"{kind} ({index + 1})", row))
         rows.append(("exposed", [["exposed", *b[1:]] for b in shifted("blocked")]))
+        rows += _stage_rows(mine, offsets)
         out[rank] = rows
     return out
+
+
+def _stage_rows(mine: list[dict], offsets: dict[int, float]) -> list[tuple[str, list[list]]]:
+    """A row per pipeline stage the rank ran: its spans, labelled action and micro-batch
+    (``F3``: the forward of micro-batch 3)."""
+    spans = [(r["step"], *span) for r in mine for span in r.get("stages", [])]
+    rows = []
+    for stage in sorted({s[1] for s in spans}):
+        rows.append((f"stage {stage}", [
+            [f"{action}{micro}", offsets[step] + start, offsets[step] + end, step]
+            for step, index, action, micro, start, end in spans
+            if index == stage
+        ]))  # fmt: skip
+    return rows
 
 
 def svg(records: list[dict[str, Any]]) -> str:
@@ -112,12 +129,15 @@ def svg(records: list[dict[str, Any]]) -> str:
             parts.append(f'<text x="14" y="{y + 10}" font-size="11">{html.escape(label)}</text>')
             for kind, start, stop, step in row:
                 css = kind if kind in ("compute", "exposed") else f"comm {kind}"
+                colour = COLOURS.get(kind, "#999")
+                if label.startswith("stage "):  # a pipeline stage's chunk, by its action
+                    css, colour = f"stage {kind[0]}", STAGE_COLOURS[kind[0]]
                 width = max(0.5, (stop - start) * scale)
                 tip = f"step {step} {kind}: {(stop - start) * 1e3:.2f} ms"
                 parts.append(
                     f'<rect class="{css}" data-step="{step}" x="{LABEL_WIDTH + start * scale:.2f}"'
                     f' y="{y}" width="{width:.2f}" height="{ROW_HEIGHT}"'
-                    f' fill="{COLOURS.get(kind, "#999")}"><title>{tip}</title></rect>'
+                    f' fill="{colour}"><title>{tip}</title></rect>'
                 )
             y += ROW_HEIGHT + ROW_GAP
         parts.append("</g>")
@@ -144,7 +164,7 @@ def _axis(end: float, scale: float, y: float) -> str:
 
 
 def _summary_rows(records: list[dict[str, Any]]) -> str:
-    from europa.overlap.timeline import Interval, StepTimeline
+    from europa.overlap.timeline import Interval, StageSpan, StepTimeline
 
     rows = []
     for record in sorted(records, key=lambda r: (r["step"], r["rank"])):
@@ -154,20 +174,27 @@ def _summary_rows(records: list[dict[str, Any]]) -> str:
             record["duration"],
             [Interval(*c) for c in record["comm"]],
             [Interval(*b) for b in record["blocked"]],
+            [StageSpan(*span) for span in record.get("stages", [])],
         )
         s = timeline.summary()
+        bubble = s.get("pipeline_bubble_s")
         rows.append(
             f"<tr><td>{record['step'] + 1}</td><td>{record['rank']}</td>"
             f"<td>{s['step_s']:.3f}</td><td>{s['compute_s']:.3f}</td><td>{s['comm_s']:.3f}</td>"
-            f"<td>{s['exposed_comm_s']:.3f}</td></tr>"
+            f"<td>{s['exposed_comm_s']:.3f}</td>"
+            f"<td>{'' if bubble is None else f'{bubble:.3f}'}</td></tr>"
         )
     return "".join(rows)
 
 
 def page(records: list[dict[str, Any]], title: str) -> str:
+    names = {"F": "stage forward", "B": "stage backward", "I": "input gradient",
+             "W": "weight gradient"}  # fmt: skip
+    stages = any(r.get("stages") for r in records)
+    shown = {**COLOURS, **({names[a]: c for a, c in STAGE_COLOURS.items()} if stages else {})}
     legend = "".join(
         f'<span><i style="background:{c}"></i>{k.replace("_", " ")}</span>'
-        for k, c in COLOURS.items()
+        for k, c in shown.items()
     )
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -183,11 +210,15 @@ td, th {{ border: 1px solid #ccc; padding: 2px 8px; text-align: right; }}
 one row per kind of <b>communication</b>, from the call that issues a collective to its
 completion (collectives in flight together are stacked); <b>exposed</b>: the training thread
 blocked on a collective, i.e. communication no computation ran beside. Steps follow each other
-left to right, each rank's step drawn from its own start. Hover a bar for its duration.</p>
+left to right, each rank's step drawn from its own start. With pipeline stages, a row per
+<b>stage</b> the rank runs: each chunk it computed (F: forward, B: backward, I and W: a split
+backward's input and weight halves) and its micro-batch; the rank's bubble is the step
+outside them. Hover a bar for its duration.</p>
 <div class="legend">{legend}</div>
 {svg(records)}
 <table><tr><th>step</th><th>rank</th><th>step s</th><th>compute s</th>
-<th>communication s</th><th>exposed s</th></tr>{_summary_rows(records)}</table>
+<th>communication s</th><th>exposed s</th><th>pipeline bubble s</th></tr>
+{_summary_rows(records)}</table>
 </body></html>
 """
 

@@ -14,7 +14,7 @@ import dataclasses
 import functools
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,20 +171,30 @@ def _is_union(hint: Any) -> bool:
 
 
 def _fits(option: Any, value: Any) -> bool:
+    return _checker(option)(value)
+
+
+@functools.cache
+def _checker(option: Any) -> Callable[[Any], bool]:
+    """Whether a value is of type ``option``, made once per type: a search checks
+    thousands of layouts, each with lists of a value per rank."""
     origin = typing.get_origin(option)
     if origin is list:
         (item,) = typing.get_args(option)
-        return isinstance(value, list | tuple) and all(_fits(item, v) for v in value)
+        each = _checker(item)
+        return lambda value: isinstance(value, list | tuple) and all(map(each, value))
     if origin is dict:
-        k, v = typing.get_args(option)
-        return isinstance(value, Mapping) and all(
-            _fits(k, a) and _fits(v, b) for a, b in value.items()
+        k, v = (_checker(a) for a in typing.get_args(option))
+        return lambda value: (
+            isinstance(value, Mapping) and all(k(a) and v(b) for a, b in value.items())
         )
-    if option is int:
-        return isinstance(value, int) and not isinstance(value, bool)
+    if option is int:  # a bool is an int to isinstance, not to a layout
+        return lambda value: (
+            type(value) is int or (isinstance(value, int) and not isinstance(value, bool))
+        )
     if option is bool:
-        return isinstance(value, bool)
-    return isinstance(value, option)
+        return lambda value: isinstance(value, bool)
+    return lambda value: isinstance(value, option)
 
 
 def _plural(hint: Any) -> str:

@@ -22,19 +22,22 @@ class StageCounters:
         self.compute_s = 0.0
         for stage in stages:
             for name in COMPUTE:
-                setattr(stage, name, self._timed(getattr(stage, name)))
+                setattr(stage, name, self._timed(stage, name))
             for name in SENDS:
                 setattr(stage, name, self._counted(getattr(stage, name)))
 
     def reset(self) -> None:
         self.sent_bytes, self.compute_s = 0, 0.0
 
-    def _timed(self, method: Callable) -> Callable:
-        @functools.wraps(method)
+    def _timed(self, stage, name: str) -> Callable:
+        @functools.wraps(getattr(stage, name))
         def timed(*args, **kwargs):
+            # the class's method, looked up at each call: a wrapper installed there later
+            # (europa-overlap's timeline records each chunk) runs too
+            method = getattr(type(stage), name)
             started = time.perf_counter()
             try:
-                return method(*args, **kwargs)
+                return method(stage, *args, **kwargs)
             finally:
                 self.compute_s += time.perf_counter() - started
 
