@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-STEPS, SAVED = 4, 2
+STEPS, SAVED = 3, 2
 SAME_BATCH = ["training.seq_len=64", f"training.steps={STEPS}", f"checkpoint.every={SAVED}"]
 # 16 sequences a step: 4 data-parallel ranks × 1 × 4 micro-batches, or 2 stages of 2
 # data-parallel ranks × 2 × 4.
