@@ -19,6 +19,10 @@ machine noise hits all. Per configuration, over the steps after the warm-up one:
   counted at torch's send ops) beside the plan's;
 * the losses.
 
+Then the bubble alone, where a waiting rank is an idle core: 2 ranks, one a node (so one
+a core), ``parallel.pp=2`` with core's layout (one data rank a stage), each schedule,
+8 micro-batches: each rank's measured bubble beside the plan's.
+
 Then torchtitan 0.3.0's Trainer with ``pipeline_parallel_degree=2`` on the same model,
 ranks and link, or the one line saying why it did not run.
 
@@ -38,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -47,28 +52,49 @@ NODES = TwoNodes(("europa-pp0", "europa-pp1"), ("10.233.0.1", "10.233.0.2"))
 RANKS, PER_NODE = 4, 2
 PORT = 29691
 SEQUENCES = 16  # a step's global batch
+SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 STAGED = ["parallel.pp=2", f"training.grad_accum_steps={SEQUENCES // 2}"]
-CONFIGS = {
-    "no_stages": [f"training.grad_accum_steps={SEQUENCES // 4}"],
-    **{
-        name: [*STAGED, f'parallel.pp_schedule="{name}"']
-        for name in ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
-    },
+
+
+@dataclass(frozen=True)
+class Phase:
+    ranks: int
+    per_node: int
+    plugins: tuple[str, ...]
+    settings: tuple[str, ...]  # what every configuration of the phase shares
+    configs: dict[str, list[str]]
+
+    def common(self, args) -> list[str]:
+        return [
+            *self.settings,
+            f"parallel.ranks_per_node={self.per_node}",
+            "training.batch_size=1",
+            f"training.seq_len={args.seq_len}",
+            f"training.steps={args.steps}",
+            "metrics.progress=false",
+            'parallel.device="cpu"',
+        ]
+
+
+PHASES = {
+    "layouts": Phase(
+        RANKS,
+        PER_NODE,
+        ("flexshard",),
+        ("parallel.ep=2", 'flexshard.dense_group="node"', "flexshard.log_plan=false"),
+        {
+            "no_stages": [f"training.grad_accum_steps={SEQUENCES // 4}"],
+            **{name: [*STAGED, f'parallel.pp_schedule="{name}"'] for name in SCHEDULES},
+        },
+    ),
+    "bubble": Phase(
+        2,
+        1,
+        (),
+        ("parallel.pp=2", "training.grad_accum_steps=8"),
+        {name: [f'parallel.pp_schedule="{name}"'] for name in SCHEDULES},
+    ),
 }
-
-
-def _common(args) -> list[str]:
-    return [
-        "parallel.ep=2",
-        f"parallel.ranks_per_node={PER_NODE}",
-        'flexshard.dense_group="node"',
-        "training.batch_size=1",
-        f"training.seq_len={args.seq_len}",
-        f"training.steps={args.steps}",
-        "metrics.progress=false",
-        'parallel.device="cpu"',
-        "flexshard.log_plan=false",
-    ]
 
 
 class ExchangeClock:
@@ -105,27 +131,27 @@ class _TimedWork:
             self.clock.blocked += time.perf_counter() - started
 
 
-def _trainer(args, overrides: list[str], run_dir: Path):
+def _trainer(args, phase: Phase, overrides: list[str], run_dir: Path):
     from europa.core.job import Job
     from europa.core.launch.distributed import ProcessPlace, init_distributed
     from europa.core.session import open_session
     from europa.core.train.loop import Trainer
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    config, manager = open_session("debug", [*_common(args), *overrides], ["flexshard"])
+    config, manager = open_session("debug", [*phase.common(args), *overrides], phase.plugins)
     device, mesh = init_distributed(config.parallel, ProcessPlace(rank, world, rank, "torchrun"))
     job = Job(config=config, run_dir=run_dir, rank=rank, world_size=world, local_rank=rank,
-              ranks_per_node=PER_NODE, device=device, mesh=mesh)  # fmt: skip
+              ranks_per_node=phase.per_node, device=device, mesh=mesh)  # fmt: skip
     return Trainer(job, manager)
 
 
-def _planned(args, overrides: list[str]) -> dict | None:
+def _planned(args, phase: Phase, overrides: list[str]) -> dict | None:
     """The plan's pipeline figures for the emulated machine: the cpu profile's compute,
     the veth's rate between nodes."""
     from europa.core.plan import load_profile, make_plan
     from europa.core.session import open_session
 
-    config, manager = open_session("debug", [*_common(args), *overrides], ["flexshard"])
+    config, manager = open_session("debug", [*phase.common(args), *overrides], phase.plugins)
     link = args.rate_mbit * 1e6 / 8 / 1e9  # GB/s
     hardware = dataclasses.replace(
         load_profile("cpu"),
@@ -133,7 +159,8 @@ def _planned(args, overrides: list[str]) -> dict | None:
         inter_node_efficiency=1.0,
         inter_node_collectives=None,
     )
-    pipeline = make_plan(config, manager, hardware, RANKS, ranks_per_node=PER_NODE).pipeline
+    plan = make_plan(config, manager, hardware, phase.ranks, ranks_per_node=phase.per_node)
+    pipeline = plan.pipeline
     if pipeline is None:
         return None
     return {
@@ -152,7 +179,11 @@ def europa_worker(args) -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    trainers = {name: _trainer(args, extra, out / name) for name, extra in CONFIGS.items()}
+    phase = PHASES[args.phase]
+    trainers = {
+        name: _trainer(args, phase, extra, out / args.phase / name)
+        for name, extra in phase.configs.items()
+    }
     clock = ExchangeClock()
     records: dict[str, list[dict]] = {name: [] for name in trainers}
     for step in range(args.steps):
@@ -164,11 +195,13 @@ def europa_worker(args) -> None:
             records[name].append({k: v for k, v in record.items() if not isinstance(v, dict)})
     mine = {"records": records}
     if dist.get_rank() == 0:
-        mine["planned"] = {name: _planned(args, extra) for name, extra in CONFIGS.items()}
+        mine["planned"] = {
+            name: _planned(args, phase, extra) for name, extra in phase.configs.items()
+        }
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
     if dist.get_rank() == 0:
-        (out / "europa.json").write_text(json.dumps(gathered))
+        (out / f"{args.phase}.json").write_text(json.dumps(gathered))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -192,19 +225,21 @@ def torchtitan_worker(args) -> None:
         (Path(args.out) / "torchtitan.json").write_text(json.dumps(result))
 
 
-def _launch(args, out: Path, worker: str) -> str | None:
-    """Run the 4 ranks of ``worker`` on the emulated nodes; None, or the failure's last line."""
+def _launch(args, out: Path, worker: str, phase: str = "layouts") -> str | None:
+    """Run the ranks of ``worker`` (and ``phase``) on the emulated nodes; None, or the
+    failure's last line."""
     _launch.count = getattr(_launch, "count", 0) + 1  # a fresh port each time
     procs, logs = [], []
-    for rank in range(RANKS):
-        node = rank // PER_NODE
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(RANKS), LOCAL_RANK=str(rank % 2),
-                   LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_PORT=str(PORT + _launch.count),
-                   **NODES.environment(node))  # fmt: skip
-        cmd = [sys.executable, __file__, "--worker", worker, "--out", str(out),
+    ranks, per_node = PHASES[phase].ranks, PHASES[phase].per_node
+    for rank in range(ranks):
+        node = rank // per_node
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
+                   LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
+                   MASTER_PORT=str(PORT + _launch.count), **NODES.environment(node))  # fmt: skip
+        cmd = [sys.executable, __file__, "--worker", worker, "--phase", phase, "--out", str(out),
                "--steps", str(args.steps), "--seq-len", str(args.seq_len),
                "--threads", str(args.threads), "--rate-mbit", str(args.rate_mbit)]  # fmt: skip
-        log = out / f"{worker}-rank{rank}.log"
+        log = out / f"{worker}-{phase}-rank{rank}.log"
         logs.append(log)
         procs.append(subprocess.Popen(NODES.command(node, cmd), env=env, stdout=log.open("w"),
                                       stderr=subprocess.STDOUT))  # fmt: skip
@@ -216,12 +251,12 @@ def _launch(args, out: Path, worker: str) -> str | None:
     return None
 
 
-def _summary(gathered: list[dict]) -> dict:
+def _summary(gathered: list[dict], phase: Phase) -> dict:
     """Per configuration, over the steps after the warm-up: medians over steps of the
     slowest rank's figures."""
     planned = gathered[0]["planned"]
     out = {}
-    for name in CONFIGS:
+    for name in phase.configs:
         per_rank = [g["records"][name][1:] for g in gathered]
         steps = [max(r[i]["step_time_s"] for r in per_rank) for i in range(len(per_rank[0]))]
         exposed = [max(r[i]["exposed_exchange_s"] for r in per_rank) for i in range(len(steps))]
@@ -273,6 +308,7 @@ def main() -> None:
     parser.add_argument("--skip-torchtitan", action="store_true")
     parser.add_argument("--keep-logs", help="keep the ranks' logs in this directory")
     parser.add_argument("--worker", choices=("europa", "torchtitan"), help=argparse.SUPPRESS)
+    parser.add_argument("--phase", choices=tuple(PHASES), default="layouts", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "europa":
@@ -288,15 +324,18 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     try:
-        failed = _launch(args, out, "europa")
-        if failed:
-            raise SystemExit(f"pipeline benchmark: europa failed: {failed}")
+        for phase in PHASES:
+            failed = _launch(args, out, "europa", phase)
+            if failed:
+                raise SystemExit(f"pipeline benchmark: europa ({phase}) failed: {failed}")
         titan_failed = "skipped (--skip-torchtitan)"
         if not args.skip_torchtitan:
             titan_failed = _launch(args, out, "torchtitan")
     finally:
         teardown(NODES)
-    configs = _summary(json.loads((out / "europa.json").read_text()))
+    layouts = PHASES["layouts"]
+    configs = _summary(json.loads((out / "layouts.json").read_text()), layouts)
+    bubble = _summary(json.loads((out / "bubble.json").read_text()), PHASES["bubble"])
     torchtitan = None if titan_failed else json.loads((out / "torchtitan.json").read_text())
     base, one_f = configs["no_stages"], configs["1f1b"]
     result = {
@@ -304,8 +343,10 @@ def main() -> None:
         "preset": "debug",
         "ranks": RANKS,
         "nodes": f"2 emulated nodes of {PER_NODE} ranks; with stages, one stage a node",
-        "settings": {name: [*_common(args), *extra] for name, extra in CONFIGS.items()},
-        "plugins": ["flexshard"],
+        "settings": {
+            name: [*layouts.common(args), *extra] for name, extra in layouts.configs.items()
+        },
+        "plugins": list(layouts.plugins),
         "link": f"veth between two network namespaces (MTU {args.mtu}), tc tbf rate "
         f"{args.rate_mbit:g} Mbit/s, burst {args.burst_kb} KiB, latency {args.latency_ms} ms, "
         "each direction; ranks of one node over its loopback",
@@ -314,6 +355,12 @@ def main() -> None:
         "torch_threads_per_rank": args.threads,
         "wall_s": time.perf_counter() - started,
         "configs": configs,
+        "bubble_alone": {
+            "ranks": "2, one a node (one a core), core's layout, parallel.pp=2, 8 micro-batches",
+            "configs": {
+                name: {k: v for k, v in c.items() if k != "losses"} for name, c in bubble.items()
+            },
+        },
         "torchtitan": torchtitan if torchtitan is not None else {"did_not_run": titan_failed},
         "comparisons": {
             "step_over_no_stages": {n: c["step_s"] / base["step_s"] for n, c in configs.items()},
@@ -324,6 +371,9 @@ def main() -> None:
             ),
             "bubble_planned_over_measured": {
                 n: c["bubble_planned_over_measured"] for n, c in configs.items() if n != "no_stages"
+            },
+            "bubble_alone_planned_over_measured": {
+                n: c["bubble_planned_over_measured"] for n, c in bubble.items()
             },
             "sent_bytes_equal_plan": {
                 n: c["sent_bytes_equal_plan"] for n, c in configs.items() if n != "no_stages"
