@@ -1,7 +1,8 @@
 """What a pipeline rank's stages did in a step, counted where torch's stages do it: the
 bytes they sent to other ranks (each send op a stage hands the schedule) and the time
-they computed (each forward, backward and weight-gradient chunk). The rest of the step
-the rank waited: its bubble, to hold beside the plan's."""
+they computed (each forward, backward and weight-gradient chunk, and the loss the
+schedule computes on the last stage's output). The rest of the step the rank waited: its
+bubble, to hold beside the plan's."""
 
 from __future__ import annotations
 
@@ -25,6 +26,21 @@ class StageCounters:
                 setattr(stage, name, self._timed(stage, name))
             for name in SENDS:
                 setattr(stage, name, self._counted(getattr(stage, name)))
+
+    def count_loss(self, schedule) -> None:
+        """Count the loss ``schedule`` computes (torch's ``_compute_loss``, on the last
+        stage's output) as computation: the plan counts it to the last stage."""
+        compute_loss = schedule._compute_loss
+
+        @functools.wraps(compute_loss)
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            try:
+                return compute_loss(*args, **kwargs)
+            finally:
+                self.compute_s += time.perf_counter() - started
+
+        schedule._compute_loss = timed
 
     def reset(self) -> None:
         self.sent_bytes, self.compute_s = 0, 0.0

@@ -86,6 +86,7 @@ class PipelineRun:
             scaled_loss, shapes,
         )  # fmt: skip
         self.counters = StageCounters(stages)
+        self.counters.count_loss(self.schedule)
 
     def step_metrics(self) -> dict[str, list[float]]:
         """This step's bytes sent and bubble of every pipeline rank (a collective)."""
