@@ -9,6 +9,8 @@ import pytest
 
 STEPS, SAVED = 3, 2
 SAME_BATCH = ["training.seq_len=64", f"training.steps={STEPS}", f"checkpoint.every={SAVED}"]
+# validation through FlexShard's stages at step 2 and at the end (core's: test_pipeline.py)
+VALIDATED = ["data.validation_fraction=0.2", "metrics.eval_every=2", "metrics.eval_sequences=3"]
 # 16 sequences a step: 4 data-parallel ranks × 1 × 4 micro-batches, or 2 stages of 2
 # data-parallel ranks × 2 × 4.
 WHOLE = [*SAME_BATCH, "training.batch_size=1", "training.grad_accum_steps=4"]
@@ -44,28 +46,29 @@ def _fsdp2_runs():
 def _flexshard_runs():
     from tests.trainer_runs import Run
 
+    whole, staged = [*WHOLE, *VALIDATED], [*STAGED, *VALIDATED]
     return [
-        Run("ep2", [*WHOLE, *EP2], FLEX),
+        Run("ep2", [*whole, *EP2], FLEX),
         # each schedule the issue names, with a technique beside (neither changes a bit)
         Run(
-            "pp2-ep2-1f1b-offload", [*STAGED, *EP2, "offload.min_tensor_kib=1"], [*FLEX, "offload"]
+            "pp2-ep2-1f1b-offload", [*staged, *EP2, "offload.min_tensor_kib=1"], [*FLEX, "offload"]
         ),
-        Run("pp2-ep2-interleaved-1f1b", [*STAGED, *EP2, _schedule("interleaved-1f1b")], FLEX),
+        Run("pp2-ep2-interleaved-1f1b", [*staged, *EP2, _schedule("interleaved-1f1b")], FLEX),
         Run(
-            "pp2-ep2-dualpipev-overlap", [*STAGED, *EP2, _schedule("dualpipev")], [*FLEX, "overlap"]
+            "pp2-ep2-dualpipev-overlap", [*staged, *EP2, _schedule("dualpipev")], [*FLEX, "overlap"]
         ),
         # Split backwards (zbv: input, then weight gradients by autograd.grad, which no
         # accumulate hook sees) with replicas of whole units, and with the reduce-scatter
         # issued asynchronously (overlap) over 2 ranks a stage.
         Run(
             "pp2-replicas-zbv",
-            [*STAGED, "parallel.dp_replicate=2", "parallel.dp_shard=1", _schedule("zbv")],
+            [*staged, "parallel.dp_replicate=2", "parallel.dp_shard=1", _schedule("zbv")],
             FLEX,
         ),
-        Run("pp2-overlap-zbv", [*STAGED, _schedule("zbv")], [*FLEX, "overlap"]),
+        Run("pp2-overlap-zbv", [*staged, _schedule("zbv")], [*FLEX, "overlap"]),
         # The staged checkpoint of step SAVED resumed without stages, and the other way.
-        Run("ep2-from-pp2", [*WHOLE, *EP2], FLEX, resume_from="pp2-ep2-1f1b-offload"),
-        Run("pp2-from-ep2", [*STAGED, *EP2], FLEX, resume_from="ep2"),
+        Run("ep2-from-pp2", [*whole, *EP2], FLEX, resume_from="pp2-ep2-1f1b-offload"),
+        Run("pp2-from-ep2", [*staged, *EP2], FLEX, resume_from="ep2"),
     ]
 
 
@@ -106,8 +109,11 @@ def _assert_follow(steps: dict[str, list[dict]], reference: str, **others: str) 
         assert [r["step"] for r in rows] == list(range(1, STEPS + 1)), name
         # The gradient norm too: Muon's step hardly changes with the gradient's scale, so
         # the losses alone would miss a gradient averaged over the wrong ranks.
-        for key in ("loss", "grad_norm"):
-            worst = _relative([r[key] for r in rows[start:]], [r[key] for r in ref[start:]])
+        keys = ("loss", "grad_norm", "val_loss") if "val_loss" in ref[-1] else ("loss", "grad_norm")
+        for key in keys:
+            got = [r[key] for r in rows[start:] if key in r]
+            assert got, (name, key)
+            worst = _relative(got, [r[key] for r in ref[start:] if key in r])
             assert worst <= 1e-5, (name, key, worst)
 
 

@@ -44,12 +44,6 @@ def _check_pipeline(config: EuropaConfig) -> None:
         if p.pp_layers:
             raise fail("parallel.pp_layers", p.pp_layers, "empty without pipeline stages")
         return
-    if config.metrics.eval_every:
-        raise fail(
-            "metrics.eval_every",
-            config.metrics.eval_every,
-            f"0 with parallel.pp = {p.pp}: validation through pipeline stages is not built yet",
-        )
     stages, micro = p.pp * per_rank, t.grad_accum_steps
     if stages > m.n_layers:
         raise fail(

@@ -17,6 +17,7 @@ summed (``scale_grads=False``), as the trainer's ``(loss / accum).backward()`` d
 from __future__ import annotations
 
 import copy
+import math
 import time
 from collections.abc import Sequence
 
@@ -59,6 +60,12 @@ class PipelineRun:
         self.first, self.last = 0 in self.stages, num_stages - 1 in self.stages
         micro = config.training.grad_accum_steps
         views = [(i, stage_view(model, names[i])) for i in self.stages]
+        self.views = dict(views)
+        self.pp_rank = pp_rank
+        parallel = config.parallel
+        self.owner = {s: r for r in range(parallel.pp) for s in rank_stages(parallel, r)}
+        self.hidden_dtype = getattr(torch, config.training.dtype)
+        self.dim = config.model.dim
 
         def scaled_loss(logits, labels):
             return loss_fn(logits, labels) / micro
@@ -101,6 +108,43 @@ class PipelineRun:
             PIPELINE_SENT_BYTES: [int(t[0]) for t in every],
             PIPELINE_BUBBLE: [float(t[1]) for t in every],
         }
+
+    @torch.no_grad()
+    def validation_metrics(self, model: nn.Module, batches, device) -> dict[str, float]:
+        """``europa.core.train.evaluate.validation_metrics`` through the stages: each
+        validation batch goes forward stage by stage (no schedule: nothing is saved for a
+        backward), the hidden state sent to the next stage's rank; the last stage's ranks
+        hold the losses. A collective over every rank."""
+        from europa.core.train.evaluate import restoring_expert_counts, token_losses
+
+        sums = torch.zeros(2, dtype=torch.float64)
+        last = self.num_stages - 1
+        with restoring_expert_counts(model):
+            for index in range(batches.num_batches):
+                inputs, labels, weights = batches.batch(index)
+                hidden = None
+                for stage in range(self.num_stages):
+                    if self.owner[stage] != self.pp_rank:
+                        continue
+                    if stage == 0:
+                        hidden = inputs.to(device)
+                    elif self.owner[stage - 1] != self.pp_rank:
+                        hidden = self._receive(stage - 1, (*inputs.shape, self.dim), device)
+                    hidden = self.views[stage](hidden)
+                    if stage < last and self.owner[stage + 1] != self.pp_rank:
+                        dist.send(hidden.contiguous(), group=self.group,
+                                  group_dst=self.owner[stage + 1])  # fmt: skip
+                if self.last:
+                    sums += token_losses(hidden, labels.to(device), weights)
+        summed = sums.to(device)
+        dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # the last stage's ranks' sums
+        loss = (summed[0] / summed[1]).item()
+        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+
+    def _receive(self, stage: int, shape, device) -> torch.Tensor:
+        hidden = torch.empty(shape, dtype=self.hidden_dtype, device=device)
+        dist.recv(hidden, group=self.group, group_src=self.owner[stage])
+        return hidden
 
     def whole_model_load(self, load: ExpertLoad) -> ExpertLoad:
         """Every stage's expert loads (each rank measured its own layers'), on every rank."""

@@ -3,7 +3,9 @@ over every rank (see ``europa.core.data.validation``)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -14,30 +16,41 @@ from europa.core.data.validation import ValidationBatches
 from europa.core.model.load_balance import moe_layers
 
 
+@contextlib.contextmanager
+def restoring_expert_counts(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode, and afterwards as it was: its mode, and the tokens its
+    routers counted (validation tokens must not move the next step's bias update)."""
+    counts = [moe.tokens_per_expert_E.clone() for _, moe in moe_layers(model)]
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        for (_, moe), saved in zip(moe_layers(model), counts, strict=True):
+            moe.tokens_per_expert_E.copy_(saved)
+
+
+def token_losses(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor):
+    """(the weighted sum of token cross-entropies, the weighted token count), float64 on
+    the CPU; ``weights``: one per sequence (0 for padding)."""
+    losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none").view(
+        labels.shape
+    )
+    total = (losses.sum(dim=1).double().cpu() * weights.double()).sum()
+    return torch.stack([total, weights.double().sum() * labels.shape[1]])
+
+
 @torch.no_grad()
 def validation_metrics(
     model: nn.Module, batches: ValidationBatches, device: torch.device
 ) -> dict[str, float]:
     """{"val_loss": mean token cross-entropy, "val_perplexity": its exp}; a collective."""
-    # The router counts what forward routes, for the next step's bias update; validation
-    # tokens must not move the biases, so the counts are put back afterwards.
-    counts = [moe.tokens_per_expert_E.clone() for _, moe in moe_layers(model)]
-    was_training = model.training
-    model.eval()
     sums = torch.zeros(2, dtype=torch.float64)
-    try:
+    with restoring_expert_counts(model):
         for index in range(batches.num_batches):
             inputs, labels, weights = batches.batch(index)
-            logits = model(inputs.to(device))
-            losses = F.cross_entropy(
-                logits.flatten(0, 1).float(), labels.to(device).flatten(), reduction="none"
-            ).view(labels.shape)
-            sums[0] += (losses.sum(dim=1).double().cpu() * weights.double()).sum()
-            sums[1] += weights.double().sum() * labels.shape[1]
-    finally:
-        model.train(was_training)
-        for (_, moe), saved in zip(moe_layers(model), counts, strict=True):
-            moe.tokens_per_expert_E.copy_(saved)
+            sums += token_losses(model(inputs.to(device)), labels.to(device), weights)
     if dist.is_initialized():
         summed = sums.to(device)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)

@@ -320,6 +320,10 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """val_loss and val_perplexity over the validation sequences, on every rank."""
+        if self.pipeline is not None:
+            return self.pipeline.validation_metrics(
+                self.model, self.batches.validation, self.job.device
+            )
         return validation_metrics(self.model, self.batches.validation, self.job.device)
 
     # -- the run --------------------------------------------------------------------------
