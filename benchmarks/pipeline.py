@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _exchange_clock import ExchangeClock
 from _netns import TwoNodes, emulated_link, teardown
 
 NODES = TwoNodes(("europa-pp0", "europa-pp1"), ("10.233.0.1", "10.233.0.2"))
@@ -95,40 +96,6 @@ PHASES = {
         {name: [f'parallel.pp_schedule="{name}"'] for name in SCHEDULES},
     ),
 }
-
-
-class ExchangeClock:
-    """Seconds the training thread spends blocked in ``all_to_all_single``: a synchronous
-    call, or the ``wait`` of an asynchronous one."""
-
-    def __init__(self) -> None:
-        import torch.distributed as dist
-
-        self.blocked = 0.0
-        self._original = dist.all_to_all_single
-        dist.all_to_all_single = self._timed
-
-    def _timed(self, *args, async_op: bool = False, **kwargs):
-        started = time.perf_counter()
-        work = self._original(*args, async_op=async_op, **kwargs)
-        self.blocked += time.perf_counter() - started
-        return _TimedWork(work, self) if async_op else work
-
-    def take(self) -> float:
-        blocked, self.blocked = self.blocked, 0.0
-        return blocked
-
-
-class _TimedWork:
-    def __init__(self, work, clock: ExchangeClock) -> None:
-        self.work, self.clock = work, clock
-
-    def wait(self, *args, **kwargs):
-        started = time.perf_counter()
-        try:
-            return self.work.wait(*args, **kwargs)
-        finally:
-            self.clock.blocked += time.perf_counter() - started
 
 
 def _trainer(args, phase: Phase, overrides: list[str], run_dir: Path):
