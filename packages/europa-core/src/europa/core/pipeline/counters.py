@@ -30,32 +30,25 @@ class StageCounters:
     def count_loss(self, schedule) -> None:
         """Count the loss ``schedule`` computes (torch's ``_compute_loss``, on the last
         stage's output) as computation: the plan counts it to the last stage."""
-        compute_loss = schedule._compute_loss
-
-        @functools.wraps(compute_loss)
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return compute_loss(*args, **kwargs)
-            finally:
-                self.compute_s += time.perf_counter() - started
-
-        schedule._compute_loss = timed
+        schedule._compute_loss = functools.partial(self._timing, schedule._compute_loss)
 
     def reset(self) -> None:
         self.sent_bytes, self.compute_s = 0, 0.0
+
+    def _timing(self, call: Callable, *args, **kwargs):
+        """``call(*args, **kwargs)``, its time added to ``compute_s``."""
+        started = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            self.compute_s += time.perf_counter() - started
 
     def _timed(self, stage, name: str) -> Callable:
         @functools.wraps(getattr(stage, name))
         def timed(*args, **kwargs):
             # the class's method, looked up at each call: a wrapper installed there later
             # (europa-overlap's timeline records each chunk) runs too
-            method = getattr(type(stage), name)
-            started = time.perf_counter()
-            try:
-                return method(stage, *args, **kwargs)
-            finally:
-                self.compute_s += time.perf_counter() - started
+            return self._timing(getattr(type(stage), name), stage, *args, **kwargs)
 
         return timed
 
