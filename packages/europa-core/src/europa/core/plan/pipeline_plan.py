@@ -69,11 +69,12 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     mode = "full" if config.section("activation_checkpointing").mode == "full" else "none"
     job = Job(config=alone, run_dir=Path("."), world_size=data_ranks, ranks_per_node=per_node)
 
+    modules_of = {r: rank_module_names(names, stages) for r, stages in held_by.items()}
+    shapes_of = {r: shapes.subset(modules) for r, modules in modules_of.items()}
     plugin_plans = {}
     per_stage = {}  # one micro-batch's saved activations, by stage
     for r, stages in held_by.items():
-        sub = shapes.subset(rank_module_names(names, stages))
-        plugin_plans[r] = plan = plugin_plan(job, plugins, sub, hardware=hardware)
+        plugin_plans[r] = plan = plugin_plan(job, plugins, shapes_of[r], hardware=hardware)
         for s in stages:
             per_stage[s] = stage_activations(alone, hardware, plan, _blocks(names[s]))[mode]
     held_device = _held(orders, lambda s: per_stage[s].device - per_stage[s].recompute)
@@ -81,8 +82,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
 
     plans = {}
     mesh = mesh_shape(alone.parallel, data_ranks)[1:]
-    for r, stages in held_by.items():
-        modules = rank_module_names(names, stages)
+    for r, modules in modules_of.items():
         scope = StageScope(
             blocks=_blocks(modules),
             layers=_layers(modules),
@@ -90,9 +90,8 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
             held_device=round(held_device.peak_held[r]),
             held_host=round(held_host.peak_held[r]),
         )
-        sub = shapes.subset(modules)
-        plans[r] = assemble(alone, hardware, data_ranks, mesh, sub, plugin_plans[r], per_node,
-                             scope)  # fmt: skip
+        plans[r] = assemble(alone, hardware, data_ranks, mesh, shapes_of[r], plugin_plans[r],
+                            per_node, scope)  # fmt: skip
 
     hidden = training.batch_size * training.seq_len * config.model.dim * _itemsize(training)
     crossings = {  # (from stage, to stage) on two ranks -> the link between them
@@ -123,7 +122,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         PipelineRank(
             rank=r,
             stages=tuple(stages),
-            modules=tuple(rank_module_names(names, stages)),
+            modules=tuple(modules_of[r]),
             device_bytes=plans[r].device_total,
             held_micro_batches=_in_micro_batches(held_device.peak_held[r], stages, per_stage),
             send_bytes=sends[r],
@@ -142,7 +141,6 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         hidden_bytes=hidden,
         link=link,
         step_s=step.step_s,
-        without_overlap_s=without_overlap.step_s,
     )
     heaviest = max(plans, key=lambda r: plans[r].device_total)
     whole = _WholeRun(config, shapes, hardware, world_size, per_node)

@@ -42,7 +42,6 @@ class PipelinePlan:
     hidden_bytes: int  # one micro-batch's hidden state (or its gradient) between stages
     link: str  # the link a stage transfer crosses
     step_s: float
-    without_overlap_s: float
 
     @property
     def bubble(self) -> float:
