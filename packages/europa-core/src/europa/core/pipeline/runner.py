@@ -17,7 +17,6 @@ summed (``scale_grads=False``), as the trainer's ``(loss / accum).backward()`` d
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Sequence
 
@@ -64,17 +63,16 @@ class PipelineRun:
         self.pp_rank = pp_rank
         parallel = config.parallel
         self.owner = {s: r for r in range(parallel.pp) for s in rank_stages(parallel, r)}
-        self.hidden_dtype = getattr(torch, config.training.dtype)
+        self.hidden_dtype = getattr(torch, config.training.dtype)  # what flows between stages
         self.dim = config.model.dim
 
         def scaled_loss(logits, labels):
             return loss_fn(logits, labels) / micro
 
-        batch, seq = config.training.batch_size, config.training.seq_len
-        dtype = getattr(torch, config.training.dtype)  # what flows between stages
+        batch, seq, dtype = config.training.batch_size, config.training.seq_len, self.hidden_dtype
 
         def shapes(index: int) -> dict[str, torch.Tensor | None]:
-            hidden = torch.empty(batch, seq, config.model.dim, dtype=dtype, device="meta")
+            hidden = torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")
             first, last = index == 0, index == num_stages - 1
             out = hidden
             if last:
@@ -115,7 +113,7 @@ class PipelineRun:
         validation batch goes forward stage by stage (no schedule: nothing is saved for a
         backward), the hidden state sent to the next stage's rank; the last stage's ranks
         hold the losses. A collective over every rank."""
-        from europa.core.train.evaluate import restoring_expert_counts, token_losses
+        from europa.core.train.evaluate import restoring_expert_counts, summed_metrics, token_losses
 
         sums = torch.zeros(2, dtype=torch.float64)
         last = self.num_stages - 1
@@ -136,10 +134,7 @@ class PipelineRun:
                                   group_dst=self.owner[stage + 1])  # fmt: skip
                 if self.last:
                     sums += token_losses(hidden, labels.to(device), weights)
-        summed = sums.to(device)
-        dist.all_reduce(summed, op=dist.ReduceOp.SUM)  # the last stage's ranks' sums
-        loss = (summed[0] / summed[1]).item()
-        return {"val_loss": loss, "val_perplexity": math.exp(min(loss, 700.0))}
+        return summed_metrics(sums, device)  # the other stages' ranks add zeros
 
     def _receive(self, stage: int, shape, device) -> torch.Tensor:
         hidden = torch.empty(shape, dtype=self.hidden_dtype, device=device)
@@ -193,10 +188,3 @@ def check_pipeline_plugins(config, plugins) -> None:
             f"parallel.pp = {pp} with plugin overlap over core's FSDP2: expected flexshard "
             "beside it; FSDP2's prefetch between pipeline stage parts is not built"
         )
-
-
-def total_norm_over_pipeline(local_norm: torch.Tensor, group) -> torch.Tensor:
-    """The 2-norm of gradients split over a pipeline's ranks, from each rank's own."""
-    squared = local_norm.detach().double() ** 2
-    dist.all_reduce(squared, group=group)
-    return squared.sqrt().to(local_norm.dtype)

@@ -51,6 +51,12 @@ def validation_metrics(
         for index in range(batches.num_batches):
             inputs, labels, weights = batches.batch(index)
             sums += token_losses(model(inputs.to(device)), labels.to(device), weights)
+    return summed_metrics(sums, device)
+
+
+def summed_metrics(sums: torch.Tensor, device: torch.device) -> dict[str, float]:
+    """The metrics of this rank's ``token_losses`` sums added over every rank (a
+    collective where torch.distributed runs)."""
     if dist.is_initialized():
         summed = sums.to(device)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)

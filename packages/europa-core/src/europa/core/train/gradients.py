@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 
 def clip_gradients(model: torch.nn.Module, max_norm: float, pipeline_group=None) -> float:
@@ -11,8 +12,6 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, pipeline_group=None)
     ``pipeline_group`` the model is this rank's stages, and the norm is the pipeline's."""
     params = [p for p in model.parameters() if p.grad is not None]
     if pipeline_group is not None:
-        from europa.core.pipeline.runner import total_norm_over_pipeline
-
         local = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=False)
         if hasattr(local, "full_tensor"):  # sharded within the stage
             local = local.full_tensor()
@@ -27,3 +26,10 @@ def clip_gradients(model: torch.nn.Module, max_norm: float, pipeline_group=None)
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return norm.item()
+
+
+def total_norm_over_pipeline(local_norm: torch.Tensor, group) -> torch.Tensor:
+    """The 2-norm of gradients split over a pipeline's ranks, from each rank's own."""
+    squared = local_norm.detach().double() ** 2
+    dist.all_reduce(squared, group=group)
+    return squared.sqrt().to(local_norm.dtype)
