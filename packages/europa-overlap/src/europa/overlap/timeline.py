@@ -343,7 +343,12 @@ def _install() -> None:
 
 
 # PipelineStage's compute methods -> the action their span records.
-STAGE_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+# (backward_one_chunk: "B" for a whole backward, "I" for a split one's input half)
+STAGE_METHODS = {
+    "forward_one_chunk": "F",
+    "backward_one_chunk": "B",
+    "backward_weight_one_chunk": "W",
+}
 _STAGE_ORIGINALS: dict[str, Callable] = {}
 
 
@@ -366,9 +371,9 @@ def _spanned(name: str, original: Callable) -> Callable:
             return original(stage, micro, *args, **kwargs)
         finally:
             ended = time.perf_counter()
-            action = {"forward_one_chunk": "F", "backward_weight_one_chunk": "W"}.get(name)
-            if action is None:  # a whole backward, or a split one's input half
-                action = "B" if kwargs.get("full_backward", True) else "I"
+            action = STAGE_METHODS[name]
+            if action == "B" and not kwargs.get("full_backward", True):
+                action = "I"
             for timeline in _ACTIVE:
                 timeline._add_stage(StageSpan(stage.stage_index, action, micro, started, ended))
 

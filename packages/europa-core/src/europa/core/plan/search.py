@@ -79,8 +79,7 @@ class SearchResult:
     @property
     def best(self) -> Proposal | None:
         """The fastest that fits, with or without stages."""
-        fitting = [p for p in (self.proposals[:1] + self.staged[:1])]
-        return min(fitting, key=lambda p: p.step.step_s, default=None)
+        return min(self.proposals[:1] + self.staged[:1], key=lambda p: p.step.step_s, default=None)
 
     def arguments(self, proposal: Proposal) -> str:
         return proposal.arguments(self.base, self.defaults)
