@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from europa.spec.lanes import lane_group
 from europa.spec.tags import mark_memory, mark_traffic
 
 GATHER, REDUCE_SCATTER = "parameter_gather", "gradient_reduce_scatter"
@@ -71,12 +72,12 @@ def _buffer_like(piece: torch.Tensor) -> torch.Tensor:
 
 def _send(tensor: torch.Tensor, peer: int, group, kind: str):
     mark_traffic(tensor, kind)
-    return dist.isend(tensor, group=group, group_dst=peer, tag=_TAGS[kind])
+    return dist.isend(tensor, group=lane_group(group), group_dst=peer, tag=_TAGS[kind])
 
 
 def _recv(tensor: torch.Tensor, peer: int, group, kind: str):
     mark_traffic(tensor, kind)
-    return dist.irecv(tensor, group=group, group_src=peer, tag=_TAGS[kind])
+    return dist.irecv(tensor, group=lane_group(group), group_src=peer, tag=_TAGS[kind])
 
 
 def gather_pieces(

@@ -72,17 +72,19 @@ from europa.flexshard.once_a_step import REPLICA_SUM_KIND, OnceAStepSum
 from europa.flexshard.segments import UnitSegments
 from europa.flexshard.slots import Groups, Slot
 from europa.spec.autograd import in_backward
+from europa.spec.lanes import lane_group
 from europa.spec.tags import mark_gathered, mark_memory
 
 
 # Looked up at each call, so a tool that wraps torch.distributed (europa-overlap's
-# timeline) sees these collectives too.
-def all_gather(*args, **kwargs):
-    return dist.all_gather_single(*args, **kwargs)
+# timeline) sees these collectives too; over the calling thread's lane
+# (europa.spec.lanes: a backward beside a forward has twin groups).
+def all_gather(*args, group=None, **kwargs):
+    return dist.all_gather_single(*args, group=lane_group(group), **kwargs)
 
 
-def reduce_scatter(*args, **kwargs):
-    return dist.reduce_scatter_single(*args, **kwargs)
+def reduce_scatter(*args, group=None, **kwargs):
+    return dist.reduce_scatter_single(*args, group=lane_group(group), **kwargs)
 
 
 class GatherUnit:

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from europa.flexshard.errors import PlanError
+from europa.spec.lanes import lane_group
 from europa.spec.tags import mark_memory, mark_traffic
 
 REPLICA_SUM_KIND = "gradient_replica_all_reduce"
@@ -40,7 +41,9 @@ class AsyncSum:
         self.flat = torch.cat([t.reshape(-1).to(dtype or t.dtype) for t in self.tensors])
         mark_traffic(self.flat, kind)
         mark_memory(self.flat, "sum_buffers")
-        self.work = dist.all_reduce(self.flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        self.work = dist.all_reduce(
+            self.flat, op=dist.ReduceOp.SUM, group=lane_group(group), async_op=True
+        )
 
     def finish(self) -> None:
         self.work.wait()

@@ -146,3 +146,16 @@ def process_groups(job: RunningJob):
         ]
         copies, _ = dist.new_subgroups_by_enumeration(per_ep)
     return shard, replicate, _expert_parallel(job, copies)
+
+
+def every_group(shard, replicate, experts) -> list:
+    """Every process group a layout from ``process_groups`` issues collectives on (the
+    shard and expert groups: None is the world; the others: None is none)."""
+    groups = [shard]
+    optional = [replicate]
+    if experts is not None:
+        groups.append(experts.group)
+        optional.append(experts.copies)
+        if experts.nodes is not None:
+            optional += [experts.nodes.node_group, experts.nodes.rail_group]
+    return groups + [g for g in optional if g is not None]

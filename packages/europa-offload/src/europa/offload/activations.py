@@ -39,6 +39,7 @@ offloaded then. The recomputed forward runs under checkpointing's own hooks.
 from __future__ import annotations
 
 import fnmatch
+import threading
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -125,6 +126,9 @@ class ActivationOffload:
         self._by_block: dict[int, list[_Handle]] = {}
         self._backward: _Backward | None = None
         self._side: torch.Stream | None = None
+        # A pipeline may run one micro-batch's backward beside another's forward (two
+        # threads): the pool and the handles by block are shared between them.
+        self._lock = threading.Lock()
 
     # -- wrapping ----------------------------------------------------------------------------
 
@@ -171,7 +175,8 @@ class ActivationOffload:
                 self.stats.peak_saved_device_bytes, self.stats.saved_device_bytes
             )
             return _Kept(tensor, nbytes)
-        buffer = self.pool.take(nbytes)
+        with self._lock:
+            buffer = self.pool.take(nbytes)
         host = buffer[:nbytes].view(tensor.dtype).view(tensor.shape)
         handle = _Handle(buffer, host, tensor.device, block)
         if on_accelerator(tensor.device):
@@ -184,7 +189,8 @@ class ActivationOffload:
             tensor.record_stream(side)
         else:
             host.copy_(tensor)
-        self._by_block.setdefault(block, []).append(handle)
+        with self._lock:
+            self._by_block.setdefault(block, []).append(handle)
         self.stats.bytes_offloaded += nbytes
         return handle
 
@@ -249,14 +255,15 @@ class ActivationOffload:
             if event is not None:
                 event.synchronize()
         self.stats.wait_s += time.perf_counter() - started
-        for block, handles in list(self._by_block.items()):
-            kept = [h for h in handles if id(h) not in used]
-            if kept:
-                self._by_block[block] = kept
-            else:
-                del self._by_block[block]
-        for handle in backward.used:
-            self.pool.give_back(handle.buffer)
+        with self._lock:
+            for block, handles in list(self._by_block.items()):
+                kept = [h for h in handles if id(h) not in used]
+                if kept:
+                    self._by_block[block] = kept
+                else:
+                    del self._by_block[block]
+            for handle in backward.used:
+                self.pool.give_back(handle.buffer)
 
     # -- steps -------------------------------------------------------------------------------
 

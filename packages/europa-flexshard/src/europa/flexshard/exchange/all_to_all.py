@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from europa.flexshard.exchange.codec import Codec
 from europa.flexshard.exchange.kept import Keeper
+from europa.spec.lanes import lane_group
 from europa.spec.tags import mark_memory
 
 
@@ -57,7 +58,9 @@ def exchange_counts(
     if _replaying(keeper):
         return keeper.answer(shape)
     recv = send.new_empty(shape)
-    dist.all_to_all_single(recv, send, list(recv_splits), list(send_splits), group=group)
+    dist.all_to_all_single(
+        recv, send, list(recv_splits), list(send_splits), group=lane_group(group)
+    )
     if keeper is not None:
         keeper.record(recv)
     return recv
@@ -138,7 +141,7 @@ def _zeros_if_none(grad: torch.Tensor | None, rows: int, cols: int, dtype, devic
 
 def _issue(recv: torch.Tensor, send: torch.Tensor, recv_splits, send_splits, group):
     return dist.all_to_all_single(
-        recv, send, list(recv_splits), list(send_splits), group=group, async_op=True
+        recv, send, list(recv_splits), list(send_splits), group=lane_group(group), async_op=True
     )
 
 
