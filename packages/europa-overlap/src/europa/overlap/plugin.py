@@ -33,7 +33,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from europa.overlap.errors import OverlapError
 from europa.spec.hookspecs import hookimpl
+from europa.spec.job import STAGE_MODULES
 from europa.spec.plan_layout import RESHARD_POLICIES
 
 if TYPE_CHECKING:
@@ -118,6 +120,20 @@ def _flexshard_blocks(layout, model):
     return [u for u in layout.units if u is not root], root
 
 
+def stage_units(layout, model, stages: list[list[str]]) -> list[list]:
+    """The layout's gather units stage by stage, each stage's in forward order."""
+    name_of = {id(module): name for name, module in model.named_modules()}
+    by_name = {name_of[id(unit.module)]: unit for unit in layout.units}
+    chains = [[by_name[name] for name in names if name in by_name] for names in stages]
+    placed = sum(len(chain) for chain in chains)
+    if placed != len(layout.units):
+        raise OverlapError(
+            f"pipeline stages {stages}: expected every gather unit in one of them; "
+            f"{len(layout.units) - placed} of {len(layout.units)} are in none"
+        )
+    return chains
+
+
 def expert_chunks(job: PlanningJob) -> int:
     """The chunks of this run's expert exchange: ``expert_chunks_within_node`` where every
     expert-parallel group (``parallel.ep`` consecutive ranks) lies inside one node, else
@@ -137,14 +153,18 @@ def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     run = OverlapRun()
     layout = job.state.get("flexshard")
     if layout is not None and hasattr(layout, "units"):
-        blocks, root = _flexshard_blocks(layout, model)
-        prefetch_gather_units(
-            blocks,
-            table.prefetch_depth,
-            table.reshard_after_forward,
-            root,
-            async_reduce=table.reduce_scatter_async,
-        )
+        stages = job.state.get(STAGE_MODULES)
+        chains = [_flexshard_blocks(layout, model)]
+        if stages is not None:  # a chain a stage: another stage's units run elsewhen
+            chains = [(units, None) for units in stage_units(layout, model, stages)]
+        for blocks, root in chains:
+            prefetch_gather_units(
+                blocks,
+                table.prefetch_depth,
+                table.reshard_after_forward,
+                root,
+                async_reduce=table.reduce_scatter_async,
+            )
         run.layout = layout
     else:
         layers = getattr(model, "layers", None)

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
 MESH_AXES = ("pp", "dp_replicate", "dp_shard", "ep")
 PIPELINE_AXIS = MESH_AXES[0]
 DATA_AXES = MESH_AXES[1:]
+# ``job.state[STAGE_MODULES]``, with pipeline stages: this rank's stages, each its module
+# names in forward order ("embedding", "layers.3", ..., "norm", "output"), set by the
+# trainer before ``europa_shard_model``; absent without stages.
+STAGE_MODULES = "pipeline_stage_modules"
 
 
 @runtime_checkable
@@ -56,4 +60,11 @@ class RunningJob(PlanningJob, Protocol):
     def claim(self, owner: str, parameter_names: Iterable[str]) -> None: ...
 
 
-__all__ = ["DATA_AXES", "MESH_AXES", "PIPELINE_AXIS", "PlanningJob", "RunningJob"]
+__all__ = [
+    "DATA_AXES",
+    "MESH_AXES",
+    "PIPELINE_AXIS",
+    "STAGE_MODULES",
+    "PlanningJob",
+    "RunningJob",
+]
