@@ -253,6 +253,9 @@ PIPELINE_REFUSALS = [
     (["parallel.pp_layers=[2, 2]"],
      "parallel.pp_layers = [2, 2]: expected empty without pipeline stages"),
     (["parallel.pp_schedule=\"gpipe\""], "parallel.pp_schedule"),
+    (["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_overlap_f_b=\"on\""],
+     "parallel.pp_overlap_f_b = \"on\": expected \"auto\" or \"off\" unless parallel.pp > 1 "
+     "with a schedule pairing chunks (dualpipev)"),
 ]  # fmt: skip
 
 
@@ -281,3 +284,19 @@ def test_a_technique_not_built_for_stages_is_refused_before_any_rank_starts():
         "parallel.pp = 2 with plugin overlap over core's FSDP2: expected flexshard beside "
         "it; FSDP2's prefetch between pipeline stage parts is not built"
     )
+
+
+def test_paired_chunks_side_by_side_without_lanes_are_refused_before_any_rank_starts():
+    from europa.core.errors import ConfigError
+    from europa.core.pipeline.runner import check_pipeline_plugins
+    from europa.core.session import open_session
+
+    paired = ["parallel.pp=2", "training.grad_accum_steps=4", 'parallel.pp_schedule="dualpipev"',
+              'parallel.pp_overlap_f_b="on"']  # fmt: skip
+    check_pipeline_plugins(*open_session("tiny", paired, ["flexshard"]))
+    with pytest.raises(ConfigError) as err:
+        check_pipeline_plugins(*open_session("tiny", paired, []))
+    assert str(err.value).startswith(
+        'parallel.pp_overlap_f_b = "on" without flexshard: expected a layout whose collectives'
+    )
+    assert "\n" not in str(err.value)

@@ -165,3 +165,8 @@ def _assert_stage_spans(run_dir, micro: int) -> None:
             backwards = {m for index, action, m in stages if index == stage and action in "BI"}
             assert backwards == set(range(micro)), (record["rank"], stage)
         assert all(0 <= start <= end <= record["duration"] for *_, start, end in record["stages"])
+        # DualPipeV's paired chunks ran side by side: a forward of one stage and a backward
+        # of the other overlap in time (two threads; in turn, no two chunks would)
+        forwards = [(a, b) for _, action, _, a, b in record["stages"] if action == "F"]
+        backwards = [(a, b) for _, action, _, a, b in record["stages"] if action == "B"]
+        assert any(max(a, c) < min(b, d) for a, b in forwards for c, d in backwards), record

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from europa.core.config.values import fail
 from europa.core.pipeline.kinds import fixed_stages_per_rank, stages_per_rank
+from europa.spec.lanes import PAIRED_SCHEDULES
 
 if TYPE_CHECKING:
     from europa.core.config.schema import EuropaConfig
@@ -40,6 +41,13 @@ def _check_pipeline(config: EuropaConfig) -> None:
         raise fail("parallel.pp_stages_per_rank", per_rank, f"{fixed} for {p.pp_schedule}")
     if fixed is None and per_rank < 2:
         raise fail("parallel.pp_stages_per_rank", per_rank, f"2 or more for {p.pp_schedule}")
+    if p.pp_overlap_f_b == "on" and (p.pp == 1 or p.pp_schedule not in PAIRED_SCHEDULES):
+        raise fail(
+            "parallel.pp_overlap_f_b",
+            p.pp_overlap_f_b,
+            f'"auto" or "off" unless parallel.pp > 1 with a schedule pairing chunks '
+            f"({', '.join(PAIRED_SCHEDULES)})",
+        )
     if p.pp == 1:
         if p.pp_layers:
             raise fail("parallel.pp_layers", p.pp_layers, "empty without pipeline stages")

@@ -9,6 +9,7 @@ from typing import Any
 from europa.core.config.fields import ConfigSection, setting
 from europa.core.pipeline.kinds import SCHEDULE_NAMES
 from europa.core.seeds import MAX_SEED
+from europa.spec.lanes import OVERLAP_F_B_MODES
 
 
 @dataclass(kw_only=True)
@@ -147,6 +148,14 @@ class ParallelConfig:
         ge=0,
         doc="stages each pipeline rank holds; 0: the schedule's (1 for 1f1b, 2 for the "
         "others); interleaved-1f1b takes 2 or more, zbv and dualpipev exactly 2",
+    )
+    pp_overlap_f_b: str = setting(
+        "auto",
+        choices=OVERLAP_F_B_MODES,
+        doc="dualpipev: run each paired chunk's forward and backward side by side (two "
+        "threads), so one micro-batch's expert exchange travels while the other computes; "
+        "auto: where the layout's collectives take lanes of their own (flexshard's), else one "
+        "after the other; on: refused where they cannot; off: one after the other",
     )
     pp_layers: list[int] = setting(
         [],

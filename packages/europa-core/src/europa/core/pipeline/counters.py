@@ -6,9 +6,10 @@ bubble, to hold beside the plan's."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 SENDS = ("get_fwd_send_ops", "get_bwd_send_ops")
@@ -21,6 +22,7 @@ class StageCounters:
     def __init__(self, stages: Sequence) -> None:
         self.sent_bytes = 0
         self.compute_s = 0.0
+        self._in_pair = False
         for stage in stages:
             for name in COMPUTE:
                 setattr(stage, name, self._timed(stage, name))
@@ -35,8 +37,22 @@ class StageCounters:
     def reset(self) -> None:
         self.sent_bytes, self.compute_s = 0, 0.0
 
+    @contextlib.contextmanager
+    def pair_span(self) -> Iterator[None]:
+        """Two chunks running side by side inside: timed as one span of computation, the
+        chunks themselves not counted again."""
+        started = time.perf_counter()
+        self._in_pair = True
+        try:
+            yield
+        finally:
+            self._in_pair = False
+            self.compute_s += time.perf_counter() - started
+
     def _timing(self, call: Callable, *args, **kwargs):
         """``call(*args, **kwargs)``, its time added to ``compute_s``."""
+        if self._in_pair:  # counted as the pair's span
+            return call(*args, **kwargs)
         started = time.perf_counter()
         try:
             return call(*args, **kwargs)

@@ -17,18 +17,24 @@ summed (``scale_grads=False``), as the trainer's ``(loss / accum).backward()`` d
 from __future__ import annotations
 
 import copy
+import functools
+import sys
 import time
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining.schedules import OVERLAP_F_B
 
 from europa.core.model.load_balance import ExpertLoad
 from europa.core.pipeline.counters import StageCounters
 from europa.core.pipeline.cut import LAYERS
+from europa.core.pipeline.paired import paired_chunks
 from europa.core.pipeline.schedules import build_schedule
 from europa.core.pipeline.stages import rank_stages
+from europa.spec.job import DATA_AXES
+from europa.spec.lanes import PAIRED_SCHEDULES, lanes_ready
 from europa.spec.metrics import PIPELINE_BUBBLE, PIPELINE_SENT_BYTES
 
 
@@ -92,6 +98,15 @@ class PipelineRun:
         )  # fmt: skip
         self.counters = StageCounters(stages)
         self.counters.count_loss(self.schedule)
+        self.paired_side_by_side = pairs_side_by_side(job)
+        if parallel.pp_schedule in PAIRED_SCHEDULES and job.is_main:
+            how = "side by side (two threads)" if self.paired_side_by_side else "in turn"
+            print(f"pipeline: {parallel.pp_schedule}'s paired chunks run {how}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        if self.paired_side_by_side:
+            self.schedule.register_custom_function(
+                OVERLAP_F_B, functools.partial(paired_chunks, span=self.counters.pair_span)
+            )
 
     def step_metrics(self) -> dict[str, list[float]]:
         """This step's bytes sent and bubble of every pipeline rank (a collective)."""
@@ -175,11 +190,18 @@ def check_pipeline_plugins(config, plugins) -> None:
 
     enabled = [info.name for info in plugins.plugins() if info.enabled and not info.builtin]
     untried = [name for name in enabled if name not in RUN_INSIDE_STAGES]
-    pp = config.parallel.pp
+    parallel = config.parallel
+    pp = parallel.pp
     if untried:
         raise ConfigError(
             f"parallel.pp = {pp} with plugins {untried}: expected only "
             f"{list(RUN_INSIDE_STAGES)} beside core inside pipeline stages"
+        )
+    if parallel.pp_overlap_f_b == "on" and "flexshard" not in enabled:
+        raise ConfigError(
+            'parallel.pp_overlap_f_b = "on" without flexshard: expected a layout whose '
+            'collectives take lanes of their own; core\'s do not ("auto" runs paired '
+            "chunks side by side where a stage has one rank)"
         )
     if "overlap" in enabled and "flexshard" not in enabled:
         # Each stage part is an FSDP2 root of its own; FSDP2 cannot prefetch one root's
@@ -188,3 +210,24 @@ def check_pipeline_plugins(config, plugins) -> None:
             f"parallel.pp = {pp} with plugin overlap over core's FSDP2: expected flexshard "
             "beside it; FSDP2's prefetch between pipeline stage parts is not built"
         )
+
+
+def pairs_side_by_side(job) -> bool:
+    """Whether this run's paired chunks (DualPipeV's) run side by side in two threads
+    (``parallel.pp_overlap_f_b``): where every collective inside a stage can take a lane of
+    its own (a technique made twins of its groups) or a stage has no collective (one rank)."""
+    from europa.core.errors import ConfigError
+
+    parallel = job.config.parallel
+    mode = parallel.pp_overlap_f_b
+    if parallel.pp_schedule not in PAIRED_SCHEDULES or mode == "off":
+        return False
+    if lanes_ready() or job.mesh[DATA_AXES].size() == 1:
+        return True
+    if mode == "on":
+        raise ConfigError(
+            f'parallel.pp_overlap_f_b = "on" with {job.mesh[DATA_AXES].size()} ranks a '
+            "stage: expected a layout whose collectives take lanes of their own (flexshard); "
+            'core\'s do not: set "auto" or "off"'
+        )
+    return False
