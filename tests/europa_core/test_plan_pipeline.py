@@ -64,6 +64,43 @@ def test_1f1b_with_equal_stages_waits_its_textbook_bubble_and_holds_p_minus_r(pp
         assert sim.peak_held[rank] == min(micro, pp - rank)  # the first stage holds P
 
 
+@settings(max_examples=30, deadline=None)
+@given(st.integers(2, 4), st.integers(0, 8), st.lists(st.floats(0.5, 3), min_size=8, max_size=8),
+       st.floats(0, 1))  # fmt: skip
+def test_paired_chunks_side_by_side_save_at_most_their_exchange(pp, extra, costs, exchange):
+    """DualPipeV's paired chunks side by side: never slower than with no exchange to hide
+    (both inputs awaited, then the parts' sum), never faster than that less every pair's
+    exchange; in turn, as torch runs them, no slower than that either."""
+    micro = 2 * pp + extra
+    orders = rank_orders("dualpipev", pp, 2, micro)
+    transfer = lambda a, b: 0.25  # noqa: E731
+    in_turn = simulate(orders, lambda s: costs[s], transfer, lambda s: 1.0)
+    nothing = simulate(orders, lambda s: costs[s], transfer, exchange_s=lambda s: 0.0)
+    side = simulate(orders, lambda s: costs[s], transfer, lambda s: 1.0,
+                    exchange_s=lambda s: exchange * costs[s])  # fmt: skip
+    paired = [a for order in orders.values() for a in order if a.paired]
+    assert paired  # dualpipev pairs chunks in its steady state
+    hideable = sum(exchange * costs[a.stage] * (1 / 3 if a.kind == FORWARD else 2 / 3)
+                   for a in paired)  # fmt: skip
+    assert nothing.step_s - hideable - 1e-9 <= side.step_s <= nothing.step_s + 1e-9
+    assert in_turn.step_s <= nothing.step_s + 1e-9
+    assert side.peak_held == in_turn.peak_held  # what is held depends on the order alone
+
+
+def test_a_pair_takes_the_longest_of_its_computes_its_exchanges_and_each_part():
+    pair = {0: [Action(0, FORWARD, 1, paired=True), Action(1, BACKWARD, 0, paired=True)]}
+    done_before = {0: [Action(0, FORWARD, 0), Action(1, FORWARD, 0)]}
+    orders = {0: done_before[0] + pair[0]}
+    cost = {0: 6.0, 1: 3.75}  # F: 2 (exchange 1), B: 2.5 (exchange 0.5)
+    share = {0: 0.5, 1: 0.2}  # of each stage's time, its exchange
+    side = simulate(orders, cost.__getitem__, lambda a, b: 0.0,
+                    exchange_s=lambda s: share[s] * cost[s])  # fmt: skip
+    in_turn = simulate(orders, cost.__getitem__, lambda a, b: 0.0)
+    # before the pair: 2 + 1.25; the pair: max(1 + 2, 1 + 0.5, 2, 2.5) = 3, in turn 4.5
+    assert side.step_s == pytest.approx(3.25 + 3.0)
+    assert in_turn.step_s == pytest.approx(3.25 + 4.5)
+
+
 def test_an_order_that_cannot_proceed_is_named():
     stuck = {0: [Action(0, BACKWARD, 0)], 1: [Action(1, FORWARD, 0)]}
     with pytest.raises(ValueError, match=r"ranks wait at \{0: '0B0', 1: '1F0'\}"):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from europa.core.plan.traffic import EXCHANGE_KIND
 from europa.spec.tags import traffic_kind
 
 INTRA, INTER = "intra_node", "inter_node"
@@ -37,7 +38,7 @@ ENTRY_KINDS = {
     "reduce_scatter_single": "gradient_reduce_scatter",
     "reduce_scatter_tensor": "gradient_reduce_scatter",
     "all_reduce": "all_reduce",
-    "all_to_all_single": "expert_all_to_all",
+    "all_to_all_single": EXCHANGE_KIND,
     "broadcast": "broadcast",
     "isend": "send",
     "send": "send",

@@ -15,6 +15,16 @@ third of it, a whole backward two thirds, each half of a split backward a third.
 
 A micro-batch's activations are held from a stage's forward to the end of its backward
 (``B``, or ``W``: the weights' gradient reads most of what the forward saved).
+
+Paired chunks (DualPipeV's ``OVERLAP_F_B``: a forward and another stage's backward) are
+one action to torch: their outputs leave when both parts are done. They run in turn, as
+torch runs them (the backward when the forward is done and its input has arrived), unless
+``exchange_s`` says how much of a stage's time is its exposed expert exchange: then they
+run side by side (``europa.core.pipeline.paired``), both starting once both inputs have
+arrived. Each part is its compute ``c`` and its exchange ``x`` in the same shares; one
+part's exchange travels while the other computes, so the pair takes the longest of: both
+computes (one device), both exchanges (one link), and each part alone,
+``max(cF + cB, xF + xB, cF + xF, cB + xB)``.
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ class Action:
     stage: int
     kind: str  # FORWARD, BACKWARD, INPUT_GRAD or WEIGHT_GRAD
     micro: int
+    paired: bool = False  # one of an OVERLAP_F_B's two parts (a forward, then a backward)
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.micro}"
@@ -93,11 +104,12 @@ def _flatten(order) -> list[Action]:
     for action in order:
         if action is None:
             continue
+        paired = bool(action.sub_actions)
         for part in action.sub_actions or (action,):
             kind = part.computation_type.value
             if kind not in SHARE:
                 raise ValueError(f"pipeline action {part} of kind {kind!r}: not a computation")
-            out.append(Action(part.stage_index, kind, part.microbatch_index))
+            out.append(Action(part.stage_index, kind, part.microbatch_index, paired))
     return out
 
 
@@ -122,11 +134,13 @@ def simulate(
     compute_s: Callable[[int], float],
     transfer_s: Callable[[int, int], float],
     held_bytes: Callable[[int], float] = lambda stage: 0.0,
+    exchange_s: Callable[[int], float] | None = None,
 ) -> Simulation:
     """Play the ranks' ``orders`` out. ``compute_s(stage)``: one micro-batch's forward and
     backward on that stage; ``transfer_s(from_stage, to_stage)``: a hidden state or its
     gradient between those stages (0 on one rank); ``held_bytes(stage)``: one
-    micro-batch's saved activations there."""
+    micro-batch's saved activations there; ``exchange_s(stage)``: the exposed expert
+    exchange within ``compute_s(stage)`` (None: paired chunks run in turn)."""
     rank_of = {a.stage: r for r, order in orders.items() for a in order}
     last = max(rank_of)
     done: dict[tuple[int, str, int], float] = {}
@@ -141,26 +155,45 @@ def simulate(
         for r, order in orders.items():
             while position[r] < len(order):
                 action = order[position[r]]
-                ready = _ready(action, done, last, transfer_s)
-                if ready is None:
+                together = order[position[r] : position[r] + (2 if action.paired else 1)]
+                readies = [_ready(a, done, last, transfer_s) for a in together]
+                if None in readies:
                     break
-                start = max(clock[r], ready)
-                length = compute_s(action.stage) * SHARE[action.kind]
+                lengths = [compute_s(a.stage) * SHARE[a.kind] for a in together]
+                if len(together) == 1:
+                    start, length = max(clock[r], readies[0]), lengths[0]
+                elif exchange_s is None:  # in turn: the backward once its input is there too
+                    start = max(clock[r], readies[0])
+                    length = max(start + lengths[0], readies[1]) + lengths[1] - start
+                    busy[r] -= length - sum(lengths)  # a wait inside the pair is no work
+                else:
+                    start = max(clock[r], *readies)
+                    length = _side_by_side(together, lengths, exchange_s)
                 clock[r] = start + length
                 busy[r] += length
-                done[action.stage, action.kind, action.micro] = clock[r]
-                if action.kind == FORWARD:
-                    held[r] += held_bytes(action.stage)
-                    peak[r] = max(peak[r], held[r])
-                elif action.kind in (BACKWARD, WEIGHT_GRAD):
-                    held[r] -= held_bytes(action.stage)
-                position[r] += 1
-                remaining -= 1
+                for a in together:
+                    done[a.stage, a.kind, a.micro] = clock[r]
+                    if a.kind == FORWARD:
+                        held[r] += held_bytes(a.stage)
+                        peak[r] = max(peak[r], held[r])
+                    elif a.kind in (BACKWARD, WEIGHT_GRAD):
+                        held[r] -= held_bytes(a.stage)
+                position[r] += len(together)
+                remaining -= len(together)
                 progressed = True
         if not progressed:
             stuck = {r: str(o[position[r]]) for r, o in orders.items() if position[r] < len(o)}
             raise ValueError(f"pipeline order cannot proceed: ranks wait at {stuck}")
     return Simulation(max(clock.values()), busy, peak, dict(clock))
+
+
+def _side_by_side(pair: Sequence[Action], lengths: Sequence[float], exchange_s) -> float:
+    """A paired forward and backward run side by side (see the design note)."""
+    (first, second), (one, two) = pair, lengths
+    x1 = min(exchange_s(first.stage) * SHARE[first.kind], one)
+    x2 = min(exchange_s(second.stage) * SHARE[second.kind], two)
+    c1, c2 = one - x1, two - x2
+    return max(c1 + c2, x1 + x2, one, two)
 
 
 def _ready(action: Action, done, last: int, transfer_s) -> float | None:

@@ -16,7 +16,9 @@ trained alone:
   micro-batches, shared among the rank's stages by FLOPs. The schedule's order, with a
   hidden state (or its gradient) crossing between ranks at the point-to-point rate of
   the link it crosses, gives the step (the last action's end) and each rank's bubble (the
-  share of the step it waits).
+  share of the step it waits). DualPipeV's paired chunks run side by side
+  (``parallel.pp_overlap_f_b``): one micro-batch's exposed expert exchange hides behind the
+  other's compute (``simulate``'s design note), and the plan states the step saved.
 
 The plan returned is the rank with the most device memory's, with the pipeline's step,
 traffic and ``pipeline`` (every rank's figures) in it.
@@ -37,7 +39,8 @@ from europa.core.plan.checkpoint_cost import write_seconds
 from europa.core.plan.memory import unique_state_bytes
 from europa.core.plan.record import PipelinePlan, PipelineRank
 from europa.core.plan.timing import StepTime
-from europa.core.plan.traffic import INTER, INTRA, Traffic
+from europa.core.plan.traffic import EXCHANGE_KIND, INTER, INTRA, Traffic
+from europa.spec.lanes import lanes_wanted
 
 ROOT = "<root>"  # the activations of the embedding, the final norm and the loss
 STAGE_KIND = "pipeline_send"  # hidden states forward, their gradients back
@@ -104,16 +107,27 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     seconds = hidden / hardware.bandwidth(link, "point_to_point")
     share = _compute_shares(config, shapes, names, held_by)
 
-    def played(overlap: bool) -> Simulation:
-        def compute_s(stage: int) -> float:
+    def played(overlap: bool, side_by_side: bool) -> Simulation:
+        def stage_s(stage: int, of_step) -> float:
             plan = plans[rank_of[stage]]
-            step = plan.with_overlap if overlap else plan.without_overlap
-            return step.step_s / micro * share[stage]
+            return (
+                of_step(plan.with_overlap if overlap else plan.without_overlap)
+                / micro
+                * share[stage]
+            )
 
-        return simulate(orders, compute_s, lambda a, b: seconds if (a, b) in crossings else 0.0)
+        return simulate(
+            orders,
+            lambda stage: stage_s(stage, lambda step: step.step_s),
+            lambda a, b: seconds if (a, b) in crossings else 0.0,
+            exchange_s=(lambda stage: stage_s(stage, exposed_exchange_s)) if side_by_side else None,
+        )
 
-    with_overlap, without_overlap = played(True), played(False)
-    step = with_overlap if any(p.overlap_enabled for p in plans.values()) else without_overlap
+    side_by_side = lanes_wanted(parallel)
+    with_overlap, without_overlap = played(True, side_by_side), played(False, side_by_side)
+    overlapped = any(p.overlap_enabled for p in plans.values())
+    step = with_overlap if overlapped else without_overlap
+    in_turn = played(overlapped, False) if side_by_side else step
     sends = {
         r: micro * hidden * sum((s, b) in crossings for s in stages for b in (s - 1, s + 1))
         for r, stages in held_by.items()
@@ -141,10 +155,17 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         hidden_bytes=hidden,
         link=link,
         step_s=step.step_s,
+        paired_hidden_s=in_turn.step_s - step.step_s,
     )
     heaviest = max(plans, key=lambda r: plans[r].device_total)
     whole = _WholeRun(config, shapes, hardware, world_size, per_node)
     return whole.plan(plans[heaviest], pipeline, (with_overlap, without_overlap), sends[heaviest])
+
+
+def exposed_exchange_s(step: StepTime) -> float:
+    """The expert exchange's share of ``step``'s exposed traffic."""
+    exchange = sum(s for (kind, _), s in step.link_s.items() if kind == EXCHANGE_KIND)
+    return min(exchange, step.exposed_s)
 
 
 def _blocks(modules) -> frozenset[str]:

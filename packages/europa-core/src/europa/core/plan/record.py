@@ -42,6 +42,9 @@ class PipelinePlan:
     hidden_bytes: int  # one micro-batch's hidden state (or its gradient) between stages
     link: str  # the link a stage transfer crosses
     step_s: float
+    # what running DualPipeV's paired chunks side by side saves: expert exchange hidden
+    # behind the other chunk's compute (0: another schedule, or pp_overlap_f_b = "off")
+    paired_hidden_s: float = 0.0
 
     @property
     def bubble(self) -> float:

@@ -6,6 +6,7 @@ from typing import Any
 
 from europa.core.plan.record import PipelinePlan, Plan
 from europa.core.plan.timing import StepTime
+from europa.spec.lanes import PAIRED_SCHEDULES
 from europa.spec.units import human
 
 
@@ -106,6 +107,7 @@ def _pipeline_json(pipeline: PipelinePlan | None) -> dict[str, Any] | None:
         "hidden_bytes": pipeline.hidden_bytes,
         "link": pipeline.link,
         "step_s": pipeline.step_s,
+        "paired_hidden_s": pipeline.paired_hidden_s,
         "bubble": pipeline.bubble,
         "ranks": [
             {
@@ -123,6 +125,15 @@ def _pipeline_json(pipeline: PipelinePlan | None) -> dict[str, Any] | None:
     }
 
 
+def _paired_note(pipeline: PipelinePlan) -> str:
+    if pipeline.schedule not in PAIRED_SCHEDULES:
+        return ""
+    return (
+        f"; paired chunks side by side hide {pipeline.paired_hidden_s:.3g} s of expert "
+        "exchange a step"
+    )
+
+
 def _pipeline_table(pipeline: PipelinePlan | None) -> list[str]:
     if pipeline is None:
         return []
@@ -131,7 +142,8 @@ def _pipeline_table(pipeline: PipelinePlan | None) -> list[str]:
         f"  pipeline (predicted): {pipeline.pp} ranks × {per_rank} stage(s), "
         f"{pipeline.schedule}, {pipeline.micro_batches} micro-batches; a hidden state is "
         f"{human(pipeline.hidden_bytes)} over {pipeline.link}; "
-        f"the ranks wait {100 * pipeline.bubble:.1f} % of the step (the bubble)",
+        f"the ranks wait {100 * pipeline.bubble:.1f} % of the step (the bubble)"
+        + _paired_note(pipeline),
         _row(
             "pipeline rank (stages)",
             "layers",

@@ -31,6 +31,8 @@ def ring_share(size: int) -> float:
     return (size - 1) / size if size > 1 else 0.0
 
 
+EXCHANGE_KIND = "expert_all_to_all"  # tokens to their experts and back
+
 # The collective each kind of traffic is (a hardware profile may rate each on its own).
 COLLECTIVE = {
     "parameter_gather": "all_gather",
@@ -38,7 +40,7 @@ COLLECTIVE = {
     "gradient_reduce_scatter": "reduce_scatter",
     "gradient_replica_all_reduce": "all_reduce",
     "expert_gradient_all_reduce": "all_reduce",
-    "expert_all_to_all": "all_to_all",
+    EXCHANGE_KIND: "all_to_all",
 }
 
 
@@ -168,7 +170,7 @@ def step_traffic(
             copies.get("overlappable", True),
             copies.get("window", STEP),
         ),
-        *(Traffic("expert_all_to_all", link, int(n), True) for link, n in experts.items()),
+        *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
         Traffic("optimizer_step", shard_link, int(step_gather), False),
         # Offloaded activations go out once and come back once a micro-batch; offloaded
         # optimizer state once each way a step. The same bytes each way, at each way's rate.
