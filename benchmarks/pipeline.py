@@ -7,12 +7,15 @@ Trainer on every rank with ``-p flexshard``, ``parallel.ep=2`` and the non-exper
 over each node's ranks (``flexshard.dense_group="node"``), on the debug preset with the
 same global batch (16 sequences a step): without stages, 4 data ranks × 4 micro-batches;
 with ``parallel.pp=2``, one stage a node (its 2 ranks its ep group), 2 data ranks × 8
-micro-batches, under 1F1B, interleaved 1F1B, ZBV zero-bubble and DualPipeV. They are built
+micro-batches, under 1F1B, interleaved 1F1B, ZBV zero-bubble and DualPipeV (its paired
+chunks side by side, in two threads, and in turn, ``parallel.pp_overlap_f_b="off"``, as
+torch runs them). They are built
 in the same four processes and stepped in turns (one step of each, then the next), so
 machine noise hits all. Per configuration, over the steps after the warm-up one:
 
-* the median step, and the exposed exchange: the training thread blocked in an expert
-  all-to-all (``ExchangeClock``), with its share of the step;
+* the median step, and the exposed exchange: the training blocked in an expert
+  all-to-all with nothing computing beside it (``ExchangeClock``), with its share of the
+  step;
 * with stages, each pipeline rank's bubble (the share of the schedule's run it waited,
   ``pipeline_bubble``) beside the plan's (``europa plan`` with the emulated link's rate and
   the cpu profile's compute), and the bytes its stages sent (``pipeline_sent_bytes``,
@@ -86,6 +89,11 @@ PHASES = {
         {
             "no_stages": [f"training.grad_accum_steps={SEQUENCES // 4}"],
             **{name: [*STAGED, f'parallel.pp_schedule="{name}"'] for name in SCHEDULES},
+            "dualpipev_in_turn": [
+                *STAGED,
+                'parallel.pp_schedule="dualpipev"',
+                'parallel.pp_overlap_f_b="off"',
+            ],
         },
     ),
     "bubble": Phase(
@@ -134,6 +142,7 @@ def _planned(args, phase: Phase, overrides: list[str]) -> dict | None:
         "bubble": [r.bubble for r in pipeline.ranks],
         "sent_bytes": [r.send_bytes for r in pipeline.ranks],
         "step_s": pipeline.step_s,
+        "paired_hidden_s": pipeline.paired_hidden_s,
     }
 
 
@@ -247,6 +256,8 @@ def _summary(gathered: list[dict], phase: Phase) -> dict:
             summary.update(
                 bubble_measured=bubble,
                 bubble_planned=plan["bubble"],
+                step_planned_s=plan["step_s"],
+                paired_hidden_planned_s=plan["paired_hidden_s"],
                 bubble_planned_over_measured=mean_planned / mean_measured,
                 sent_bytes_counted=sent,
                 sent_bytes_planned=plan["sent_bytes"],
@@ -256,6 +267,10 @@ def _summary(gathered: list[dict], phase: Phase) -> dict:
             )
         out[name] = summary
     return out
+
+
+def _ratio(config: dict, baseline: dict, key: str = "exposed_exchange_s") -> float | None:
+    return config[key] / baseline[key] if baseline[key] else None
 
 
 def _worst(curve: list[float], reference: list[float]) -> float:
@@ -331,11 +346,11 @@ def main() -> None:
         "torchtitan": torchtitan if torchtitan is not None else {"did_not_run": titan_failed},
         "comparisons": {
             "step_over_no_stages": {n: c["step_s"] / base["step_s"] for n, c in configs.items()},
-            "dualpipev_over_1f1b_exposed_exchange": (
-                configs["dualpipev"]["exposed_exchange_s"] / one_f["exposed_exchange_s"]
-                if one_f["exposed_exchange_s"]
-                else None
-            ),
+            "dualpipev_over_1f1b_exposed_exchange": _ratio(configs["dualpipev"], one_f),
+            "dualpipev_side_by_side_over_in_turn": {
+                "exposed_exchange": _ratio(configs["dualpipev"], configs["dualpipev_in_turn"]),
+                "step": _ratio(configs["dualpipev"], configs["dualpipev_in_turn"], "step_s"),
+            },
             "bubble_planned_over_measured": {
                 n: c["bubble_planned_over_measured"] for n, c in configs.items() if n != "no_stages"
             },
