@@ -20,6 +20,29 @@ def test_subtract_leaves_the_gaps():
     ]
 
 
+def test_a_wait_beside_another_threads_compute_is_hidden():
+    """DualPipeV's pair side by side: the training thread's forward (0-4) and a backward
+    thread (1-6). A wait is exposed only where no thread computes: the training thread's
+    wait 1-2 is hidden by the backward computing, and of its wait 3-4 only 3.5-4, where
+    the backward waits too; the backward's wait 5-6 is exposed (the training thread, its
+    forward done, idles)."""
+    from europa.overlap.timeline import StageSpan, _exposed
+
+    main, side = 1, 2
+    stages = [(main, StageSpan(0, "F", 1, 0.0, 4.0)), (side, StageSpan(3, "B", 0, 1.0, 6.0))]
+    blocked = [
+        (main, Interval("expert_all_to_all", 1.0, 2.0)),
+        (main, Interval("expert_all_to_all", 3.0, 4.0)),
+        (side, Interval("expert_all_to_all", 3.5, 4.0)),
+        (side, Interval("expert_all_to_all", 5.0, 6.0)),
+    ]
+    exposed = _exposed(main, blocked, stages)
+    assert union_seconds(exposed) == pytest.approx(0.5 + 1.0)
+    assert sorted((i.start, i.end) for i in exposed) == [(3.5, 4.0), (5.0, 6.0)]
+    # one thread: every wait is exposed, as before
+    assert _exposed(main, blocked[:2], stages[:1]) == [i for _, i in blocked[:2]]
+
+
 def test_a_step_splits_into_compute_exposed_and_hidden_communication():
     step = StepTimeline(
         step=3,

@@ -23,7 +23,11 @@ With pipeline stages (``torch.distributed.pipelining``), each chunk a stage comp
 ``backward_weight_one_chunk``) is a **stage span**: its stage, action (``F``, ``B``, or a
 split backward's ``I`` and ``W``) and micro-batch. The step outside every span is the
 rank's pipeline bubble; the blocked time inside a stage's spans is that stage's exposed
-communication.
+communication. DualPipeV's paired chunks may run side by side (``europa.core.pipeline.paired``):
+a backward in a second thread beside the training thread's forward. A wait of one thread
+is then hidden while the other computes, so a step's blocked time is the time the training
+thread waits (blocked, or idle in a pair once its forward is done) while no other thread
+computes.
 
 How it hooks in: the ``torch.distributed`` entry points the layouts call
 (FSDP2 calls ``dist.all_gather_single`` / ``dist.reduce_scatter_single``;
@@ -411,8 +415,8 @@ class Timeline:
         self._lock = threading.Lock()
         self._open: tuple[int, float] | None = None
         self._comm: list[Interval] = []
-        self._blocked: list[Interval] = []
-        self._stages: list[StageSpan] = []
+        self._blocked: list[tuple[int, Interval]] = []  # (thread, interval)
+        self._stages: list[tuple[int, StageSpan]] = []
 
     def install(self) -> Timeline:
         _install()
@@ -433,11 +437,11 @@ class Timeline:
 
     def _add_blocked(self, kind: str, start: float, end: float) -> None:
         with self._lock:
-            self._blocked.append(Interval(kind, start, end))
+            self._blocked.append((threading.get_ident(), Interval(kind, start, end)))
 
     def _add_stage(self, span: StageSpan) -> None:
         with self._lock:
-            self._stages.append(span)
+            self._stages.append((threading.get_ident(), span))
 
     def write(self, run_dir: Path | str) -> Path:
         """Append the last step's intervals to ``run_dir/overlap/timeline-rank<r>.jsonl``,
@@ -453,6 +457,7 @@ class Timeline:
     def step(self, index: int) -> Iterator[None]:
         _install()
         self._comm, self._blocked, self._stages = [], [], []
+        training = threading.get_ident()
         started = time.perf_counter()
         self._open = (index, started)
         _ACTIVE.append(self)
@@ -465,12 +470,36 @@ class Timeline:
             self._open = None
             with self._lock:  # a completion callback may still be arriving: clip it
                 comm = [_relative(i, started, ended) for i in self._comm]
-                blocked = [_relative(i, started, ended) for i in self._blocked]
+                blocked = [(t, _relative(i, started, ended)) for t, i in self._blocked]
                 stages = [
-                    dataclasses.replace(s, start=s.start - started, end=s.end - started)
-                    for s in self._stages
+                    (t, dataclasses.replace(s, start=s.start - started, end=s.end - started))
+                    for t, s in self._stages
                 ]
+            blocked = _exposed(training, blocked, stages)
+            stages = [span for _, span in stages]
             self.last = StepTimeline(index, self.rank, ended - started, comm, blocked, stages)
+
+
+def _exposed(training: int, blocked, stages) -> list[Interval]:
+    """The blocked intervals no thread computed beside (``(thread, interval)`` pairs in,
+    see the design note): the training thread's waits outside the other threads'
+    computing, and the other threads' waits where the training thread idles in their span."""
+    side = [(s.start, s.end) for t, s in stages if t != training]
+    if not side:
+        return [i for _, i in blocked]
+    mine = [(s.start, s.end) for t, s in stages if t == training]
+    side_waits = [(i.start, i.end) for t, i in blocked if t != training]
+    side_busy = subtract(side, side_waits)
+    training_idle = subtract(side, mine)  # its forward done, joining the backward
+    out = []
+    for thread, interval in blocked:
+        span = [(interval.start, interval.end)]
+        if thread == training:
+            pieces = subtract(span, side_busy)
+        else:
+            pieces = subtract(span, subtract(span, training_idle))  # span ∩ training_idle
+        out += [Interval(interval.kind, start, end) for start, end in pieces]
+    return out
 
 
 def _relative(interval: Interval, origin: float, end: float) -> Interval:
