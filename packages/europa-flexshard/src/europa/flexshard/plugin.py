@@ -65,13 +65,14 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     from europa.flexshard.builder import flex_shard, stage_units
     from europa.flexshard.planner import check_budget
     from europa.flexshard.process_groups import every_group, pipeline_group, process_groups
-    from europa.spec.lanes import lanes_wanted, make_twins
+    from europa.spec.lanes import TWINS_MADE, lanes_wanted, make_twins
 
     table = job.config.section(NAME)
     bf16 = job.config.training.dtype == "bfloat16"
     shard, replicate, experts = process_groups(job)
     if lanes_wanted(job.config.parallel):  # paired pipeline chunks in two threads
         make_twins(every_group(shard, replicate, experts))
+        job.state[TWINS_MADE] = True
     execution = getattr(job, "execution", None)
     layout = flex_shard(
         model,

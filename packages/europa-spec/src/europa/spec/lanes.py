@@ -12,10 +12,12 @@ twin sees one order everywhere.
 A technique whose collectives run inside a stage's forward or backward
 * passes each group through ``lane_group`` at the call itself (an autograd function's
   backward runs in the backward thread with the group its forward saw), and
-* makes its groups' twins once, on every rank together, with ``make_twins``.
-A runner starts the second thread only where ``lanes_ready()``: some technique made its
-twins, and every group used in the backward lane has one (``lane_group`` refuses a group
-without a twin rather than let the two threads race on it).
+* makes its groups' twins once, on every rank together, with ``make_twins``, and says so
+  in the run's ``job.state[TWINS_MADE]``.
+A runner starts the second thread only where a technique said so; every group used in
+the backward lane has a twin then (``lane_group`` refuses a group without one rather than
+let the two threads race on it). Twins are kept by their ranks, so several runs in one
+process (a benchmark's) share them.
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ PAIRED_SCHEDULES = ("dualpipev",)  # schedules with paired forward-backward chun
 OVERLAP_F_B_MODES = ("auto", "on", "off")  # parallel.pp_overlap_f_b
 
 _local = threading.local()
+TWINS_MADE = "lanes_twins_made"  # job.state key: this run's collectives have twins
+
 _twins: dict[tuple[int, ...], dist.ProcessGroup] = {}  # a group's ranks -> its twin
-_ready = False
 
 
 def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
@@ -51,28 +54,14 @@ def lanes_wanted(parallel) -> bool:
 def make_twins(groups: Sequence[dist.ProcessGroup | None]) -> None:
     """A twin of each of ``groups`` (None: the world), made for the backward lane. A
     collective over the world: every rank calls it, each with its own groups."""
-    global _ready
     mine = sorted({_ranks(group) for group in groups})
     every: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)
     me = dist.get_rank()
     for ranks in sorted({tuple(r) for ranks_of_one in every for r in ranks_of_one or ()}):
         twin = dist.new_group(list(ranks))  # every rank, in one order
-        if me in ranks and ranks not in _twins:
+        if me in ranks:
             _twins[ranks] = twin
-    _ready = True
-
-
-def lanes_ready() -> bool:
-    """Whether a technique made twins of its groups (``make_twins``)."""
-    return _ready
-
-
-def forget_twins() -> None:
-    """Drop every twin (a run's end: its process groups are destroyed with it)."""
-    global _ready
-    _twins.clear()
-    _ready = False
 
 
 @contextmanager
@@ -106,11 +95,10 @@ def lane_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
 __all__ = [
     "OVERLAP_F_B_MODES",
     "PAIRED_SCHEDULES",
+    "TWINS_MADE",
     "backward_lane",
-    "forget_twins",
     "in_backward_lane",
     "lane_group",
-    "lanes_ready",
     "lanes_wanted",
     "make_twins",
 ]

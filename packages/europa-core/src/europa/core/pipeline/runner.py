@@ -34,7 +34,7 @@ from europa.core.pipeline.paired import paired_chunks
 from europa.core.pipeline.schedules import build_schedule
 from europa.core.pipeline.stages import rank_stages
 from europa.spec.job import DATA_AXES
-from europa.spec.lanes import PAIRED_SCHEDULES, lanes_ready
+from europa.spec.lanes import PAIRED_SCHEDULES, TWINS_MADE
 from europa.spec.metrics import PIPELINE_BUBBLE, PIPELINE_SENT_BYTES
 
 
@@ -215,14 +215,15 @@ def check_pipeline_plugins(config, plugins) -> None:
 def pairs_side_by_side(job) -> bool:
     """Whether this run's paired chunks (DualPipeV's) run side by side in two threads
     (``parallel.pp_overlap_f_b``): where every collective inside a stage can take a lane of
-    its own (a technique made twins of its groups) or a stage has no collective (one rank)."""
+    its own (a technique made twins of its groups: ``europa.spec.lanes``) or a stage has no
+    collective (one rank)."""
     from europa.core.errors import ConfigError
 
     parallel = job.config.parallel
     mode = parallel.pp_overlap_f_b
     if parallel.pp_schedule not in PAIRED_SCHEDULES or mode == "off":
         return False
-    if lanes_ready() or job.mesh[DATA_AXES].size() == 1:
+    if job.state.get(TWINS_MADE) or job.mesh[DATA_AXES].size() == 1:
         return True
     if mode == "on":
         raise ConfigError(

@@ -51,7 +51,6 @@ from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
 from europa.spec.job import STAGE_MODULES
-from europa.spec.lanes import forget_twins
 from europa.spec.metrics import CHECKPOINT_S, CHECKPOINT_STAGING_BYTES, CHECKPOINT_WAIT_S
 
 
@@ -126,7 +125,6 @@ class Trainer:
             model = split_model(model, stages.rank_module_names(stage_names, mine))
             job.state[STAGE_MODULES] = [list(stage_names[i]) for i in mine]
         self.data_group = data_group(job.mesh)
-        forget_twins()  # a layout placed below makes its own (europa.spec.lanes)
         init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = place_model(job, plugins, model, init_matrix)
         self.imported_bytes = None  # bytes this rank read from model.init_from
