@@ -8,10 +8,9 @@ over each node's ranks (``flexshard.dense_group="node"``), on the debug preset w
 same global batch (16 sequences a step): without stages, 4 data ranks × 4 micro-batches;
 with ``parallel.pp=2``, one stage a node (its 2 ranks its ep group), 2 data ranks × 8
 micro-batches, under 1F1B, interleaved 1F1B, ZBV zero-bubble and DualPipeV (its paired
-chunks side by side, in two threads, and in turn, ``parallel.pp_overlap_f_b="off"``, as
-torch runs them). They are built
-in the same four processes and stepped in turns (one step of each, then the next), so
-machine noise hits all. Per configuration, over the steps after the warm-up one:
+chunks side by side in two threads, ``parallel.pp_overlap_f_b="on"``, and in turn, as torch
+runs them). They are built in the same four processes and stepped in turns (one step of
+each, then the next), so machine noise hits all. Per configuration, over the steps after the warm-up one:
 
 * the median step, and the exposed exchange: the training blocked in an expert
   all-to-all with nothing computing beside it (``ExchangeClock``), with its share of the
@@ -21,6 +20,11 @@ machine noise hits all. Per configuration, over the steps after the warm-up one:
   the cpu profile's compute), and the bytes its stages sent (``pipeline_sent_bytes``,
   counted at torch's send ops) beside the plan's;
 * the losses.
+
+Then the exchange across the link: the same 4 ranks placed in turn on the two nodes, so
+each stage's two ranks (its ep group) sit on different nodes and its expert exchange
+crosses the emulated link, while a hidden state goes to the other stage's rank on the same
+node. 1F1B and DualPipeV side by side and in turn: the exchange each leaves exposed.
 
 Then the bubble alone, where a waiting rank is an idle core: 2 ranks, one a node (so one
 a core), ``parallel.pp=2`` with core's layout (one data rank a stage), each schedule,
@@ -58,6 +62,7 @@ PORT = 29691
 SEQUENCES = 16  # a step's global batch
 SCHEDULES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 STAGED = ["parallel.pp=2", f"training.grad_accum_steps={SEQUENCES // 2}"]
+SIDE_BY_SIDE = ['parallel.pp_schedule="dualpipev"', 'parallel.pp_overlap_f_b="on"']
 
 
 @dataclass(frozen=True)
@@ -67,6 +72,10 @@ class Phase:
     plugins: tuple[str, ...]
     settings: tuple[str, ...]  # what every configuration of the phase shares
     configs: dict[str, list[str]]
+    alternate: bool = False  # ranks on the two nodes in turn (rank r on node r % 2)
+
+    def node_of(self, rank: int) -> int:
+        return rank % 2 if self.alternate else rank // self.per_node
 
     def common(self, args) -> list[str]:
         return [
@@ -89,12 +98,31 @@ PHASES = {
         {
             "no_stages": [f"training.grad_accum_steps={SEQUENCES // 4}"],
             **{name: [*STAGED, f'parallel.pp_schedule="{name}"'] for name in SCHEDULES},
-            "dualpipev_in_turn": [
-                *STAGED,
-                'parallel.pp_schedule="dualpipev"',
-                'parallel.pp_overlap_f_b="off"',
-            ],
+            "dualpipev": [*STAGED, *SIDE_BY_SIDE],
+            "dualpipev_in_turn": [*STAGED, 'parallel.pp_schedule="dualpipev"'],
         },
+    ),
+    # Each stage's two ranks on different nodes (ranks alternate), so its expert exchange
+    # crosses the emulated link, and a stage's hidden state goes to the other stage's rank
+    # on the same node: the exchange DualPipeV's pairs may hide, 1F1B beside it. Every rank
+    # is its own node to europa (its ep group spans two), the exchange flat.
+    "exchange": Phase(
+        RANKS,
+        1,
+        ("flexshard",),
+        (
+            "parallel.ep=2",
+            'parallel.ep_dispatch="flat"',
+            'flexshard.dense_group="node"',
+            "flexshard.log_plan=false",
+            *STAGED,
+        ),
+        {
+            "1f1b": [],
+            "dualpipev": SIDE_BY_SIDE,
+            "dualpipev_in_turn": ['parallel.pp_schedule="dualpipev"'],
+        },
+        alternate=True,
     ),
     "bubble": Phase(
         2,
@@ -208,7 +236,7 @@ def _launch(args, out: Path, worker: str, phase: str = "layouts") -> str | None:
     procs, logs = [], []
     ranks, per_node = PHASES[phase].ranks, PHASES[phase].per_node
     for rank in range(ranks):
-        node = rank // per_node
+        node = PHASES[phase].node_of(rank)
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(ranks),
                    LOCAL_RANK=str(rank % per_node), LOCAL_WORLD_SIZE=str(per_node),
                    MASTER_PORT=str(PORT + _launch.count), **NODES.environment(node))  # fmt: skip
@@ -317,6 +345,7 @@ def main() -> None:
         teardown(NODES)
     layouts = PHASES["layouts"]
     configs = _summary(json.loads((out / "layouts.json").read_text()), layouts)
+    across = _summary(json.loads((out / "exchange.json").read_text()), PHASES["exchange"])
     bubble = _summary(json.loads((out / "bubble.json").read_text()), PHASES["bubble"])
     torchtitan = None if titan_failed else json.loads((out / "torchtitan.json").read_text())
     base, one_f = configs["no_stages"], configs["1f1b"]
@@ -337,6 +366,12 @@ def main() -> None:
         "torch_threads_per_rank": args.threads,
         "wall_s": time.perf_counter() - started,
         "configs": configs,
+        "exchange_across_link": {
+            "ranks": "4 alternating between the nodes: a stage's ep group across the link",
+            "configs": {
+                name: {k: v for k, v in c.items() if k != "losses"} for name, c in across.items()
+            },
+        },
         "bubble_alone": {
             "ranks": "2, one a node (one a core), core's layout, parallel.pp=2, 8 micro-batches",
             "configs": {
@@ -350,6 +385,16 @@ def main() -> None:
             "dualpipev_side_by_side_over_in_turn": {
                 "exposed_exchange": _ratio(configs["dualpipev"], configs["dualpipev_in_turn"]),
                 "step": _ratio(configs["dualpipev"], configs["dualpipev_in_turn"], "step_s"),
+            },
+            "exchange_across_link": {
+                "dualpipev_over_1f1b_exposed_exchange": _ratio(across["dualpipev"], across["1f1b"]),
+                "dualpipev_side_by_side_over_in_turn": {
+                    "exposed_exchange": _ratio(across["dualpipev"], across["dualpipev_in_turn"]),
+                    "step": _ratio(across["dualpipev"], across["dualpipev_in_turn"], "step_s"),
+                },
+                "max_relative_loss_difference_to_1f1b": {
+                    n: _worst(c["losses"], across["1f1b"]["losses"]) for n, c in across.items()
+                },
             },
             "bubble_planned_over_measured": {
                 n: c["bubble_planned_over_measured"] for n, c in configs.items() if n != "no_stages"

@@ -54,8 +54,11 @@ def _flexshard_runs():
             "pp2-ep2-1f1b-offload", [*staged, *EP2, "offload.min_tensor_kib=1"], [*FLEX, "offload"]
         ),
         Run("pp2-ep2-interleaved-1f1b", [*staged, *EP2, _schedule("interleaved-1f1b")], FLEX),
+        # its paired chunks side by side (two threads, FlexShard's lanes)
         Run(
-            "pp2-ep2-dualpipev-overlap", [*staged, *EP2, _schedule("dualpipev")], [*FLEX, "overlap"]
+            "pp2-ep2-dualpipev-overlap",
+            [*staged, *EP2, _schedule("dualpipev"), 'parallel.pp_overlap_f_b="on"'],
+            [*FLEX, "overlap"],
         ),
         # Split backwards (zbv: input, then weight gradients by autograd.grad, which no
         # accumulate hook sees) with replicas of whole units, and with the reduce-scatter

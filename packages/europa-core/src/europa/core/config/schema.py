@@ -150,12 +150,13 @@ class ParallelConfig:
         "others); interleaved-1f1b takes 2 or more, zbv and dualpipev exactly 2",
     )
     pp_overlap_f_b: str = setting(
-        "auto",
+        "off",
         choices=OVERLAP_F_B_MODES,
         doc="dualpipev: run each paired chunk's forward and backward side by side (two "
         "threads), so one micro-batch's expert exchange travels while the other computes; "
-        "auto: where the layout's collectives take lanes of their own (flexshard's), else one "
-        "after the other; on: refused where they cannot; off: one after the other",
+        "off: one after the other, as torch runs them; auto: side by side where the layout's "
+        "collectives take lanes of their own (flexshard's) or a stage has one rank; on: "
+        "refused where they cannot",
     )
     pp_layers: list[int] = setting(
         [],
