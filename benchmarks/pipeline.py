@@ -10,7 +10,8 @@ with ``parallel.pp=2``, one stage a node (its 2 ranks its ep group), 2 data rank
 micro-batches, under 1F1B, interleaved 1F1B, ZBV zero-bubble and DualPipeV (its paired
 chunks side by side in two threads, ``parallel.pp_overlap_f_b="on"``, and in turn, as torch
 runs them). They are built in the same four processes and stepped in turns (one step of
-each, then the next), so machine noise hits all. Per configuration, over the steps after the warm-up one:
+each, then the next), so machine noise hits all. Per configuration, over the steps after
+the warm-up one:
 
 * the median step, and the exposed exchange: the training blocked in an expert
   all-to-all with nothing computing beside it (``ExchangeClock``), with its share of the
