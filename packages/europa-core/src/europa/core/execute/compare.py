@@ -3,7 +3,10 @@
 The plan states one rank's device memory (its state, the transient terms of the most
 loaded rank, and ``reserved``, the profile's allowance for the CUDA context, which no
 execution sees) and host memory, and the bytes each rank sends per step by kind and link.
-An execution measures the same, so each figure gets a ratio, executed / planned. The
+With pipeline stages a rank is held against its own pipeline rank's plan (its layers over
+its stage's ranks, with the micro-batches it holds at once) and the plan's stage-to-stage
+sends of that pipeline rank. An execution measures the same, so each figure gets a ratio,
+executed / planned. The
 agreement the project holds itself to: device and host peaks within ``MEMORY_TOLERANCE``,
 each (kind, link) of traffic within ``TRAFFIC_TOLERANCE``.
 """
@@ -11,6 +14,8 @@ each (kind, link) of traffic within ``TRAFFIC_TOLERANCE``.
 from __future__ import annotations
 
 from typing import Any
+
+from europa.core.plan.pipeline_plan import STAGE_KIND
 
 MEMORY_TOLERANCE = 0.10
 TRAFFIC_TOLERANCE = 0.05
@@ -50,9 +55,13 @@ def _memory(planned: dict[str, int], executed: dict[str, Any]) -> dict[str, Any]
 
 def compare_rank(plan, result: dict[str, Any]) -> dict[str, Any]:
     """``result`` (``europa.core.execute.program.execute``'s) beside ``plan``."""
-    device, host = plan.terms_of(result["rank"])
+    own, rank = plan.rank_view(result["rank"])
+    device, host = own.terms_of(rank)
     not_executed = {term: device.pop(term) for term in UNPLANNED_DEVICE if term in device}
-    planned_traffic = {(t.kind, t.link): t.bytes_per_step for t in plan.traffic_of(result["rank"])}
+    planned_traffic = {(t.kind, t.link): t.bytes_per_step for t in own.traffic_of(rank)}
+    if plan.pipeline is not None:
+        pipeline_rank = plan.pipeline.ranks[result["rank"] // (plan.world_size // plan.pipeline.pp)]
+        planned_traffic[STAGE_KIND, plan.pipeline.link] = pipeline_rank.send_bytes
     executed_traffic = {
         (kind, link): nbytes
         for kind, links in result["traffic"].items()
@@ -66,12 +75,12 @@ def compare_rank(plan, result: dict[str, Any]) -> dict[str, Any]:
         agrees = negligible or _within(ratio, TRAFFIC_TOLERANCE, executed)
         row = {"kind": key[0], "link": key[1], "planned": planned, "executed": executed}
         traffic.append(row | {"ratio": ratio, "agrees": agrees})
-    r = result["rank"] % plan.layout["group_size"]
+    r = rank % own.layout["group_size"]
     memory = {
         "device": _memory(device, result["memory"]["device"]),
         "host": _memory(host, result["memory"]["host"]),
         "planned_not_executed": not_executed,
-        "planned_moments": {m.name: m.total for m in plan.memory.moments(r)},
+        "planned_moments": {m.name: m.total for m in own.memory.moments(r)},
         "executed_phase_peaks": result["memory"]["device"].get("by_phase", {}),
     }
     agrees = all(m["agrees"] for m in (memory["device"], memory["host"]))

@@ -8,7 +8,10 @@ the same order (``europa.core.train.assemble``), with no data:
 build → shard → wrap → materialise (nothing drawn: values do not exist) → optimizer →
 one step (every micro-batch's forward and backward, the once-a-step sums, clipping, the
 expert-bias update, the optimizer step) → a checkpoint save's planning (what DCP would
-write, not the write) → teardown.
+write, not the write) → teardown. With pipeline stages the rank keeps its stages' modules
+and torch's schedule runs the micro-batches, as the trainer's do; the stages' sends to
+the other pipeline ranks return at once like every collective (nothing arrives: fake
+tensors hold no values).
 
 What it does not run: data loading (micro-batches are token-id tensors of the configured
 shape), the metrics a step writes (``europa_after_step``), and the write itself.
@@ -142,8 +145,9 @@ def run_step_program(
     routing model where every expert gets the same share (a real run checked against its
     execution)."""
     from europa.core.model.load_balance import update_expert_bias
+    from europa.core.pipeline.split import keep_rank_stages
     from europa.core.train.assemble import build_optimizer, place_model
-    from europa.core.train.loop import next_token_loss
+    from europa.core.train.loop import logits_loss, next_token_loss
 
     ledger = ledger or MemoryLedger(device_type=job.device.type)
     hook, training, device = manager.hook, job.config.training, job.device
@@ -162,7 +166,12 @@ def run_step_program(
             for context in hook.europa_step_context(job=job, step=index):
                 if context is not None:
                     stack.enter_context(context)
-            for _ in range(training.grad_accum_steps):
+            if pipeline is not None:  # the micro-batches stacked, as the trainer hands them
+                shape = (training.batch_size * training.grad_accum_steps, training.seq_len)
+                inputs = torch.zeros(shape, dtype=torch.long, device=device)
+                with phase("forward", "forward_backward"), _chunk_phases(ledger):
+                    pipeline.forward_backward(inputs, inputs)
+            for _ in range(training.grad_accum_steps if pipeline is None else 0):
                 shape = (training.batch_size, training.seq_len)
                 inputs = torch.zeros(shape, dtype=torch.long, device=device)
                 with phase("forward", "forward"):
@@ -177,7 +186,7 @@ def run_step_program(
                 ledger.name_state("optimizer_state", _optimizer_tensors(job.optimizer))
                 job.optimizer.zero_grad(set_to_none=True)
 
-    error = None
+    error, pipeline = None, None
     try:
         with ledger, traffic:
             with phase("setup", "assemble"):
@@ -186,9 +195,17 @@ def run_step_program(
                     for module in model.modules():
                         if hasattr(module, "_debug_force_load_balance"):
                             module._debug_force_load_balance = True
+                stage_names = None
+                if job.config.parallel.pp > 1:
+                    model, stage_names = keep_rank_stages(job, model)
                 init_matrix = initialiser(model) if initialiser else _no_values
                 model = place_model(job, manager, model, init_matrix)
                 model.train()
+                if stage_names is not None:
+                    from europa.core.pipeline.runner import PipelineRun
+
+                    pipeline = PipelineRun(job, model, stage_names, logits_loss)
+                    _stages_given_their_shapes(pipeline.schedule)
                 ledger.name_state("parameters", _local_parameters(model))
                 ledger.name_state("model_buffers", model.buffers())
                 _, state = build_optimizer(job, manager, model)
@@ -217,6 +234,48 @@ def run_step_program(
         "checkpoint": checkpoint,
         "seconds": seconds,
     }
+
+
+def _stages_given_their_shapes(schedule) -> None:
+    """torch's schedule first asks every stage, over the pipeline group, whether it was
+    given its inputs' and outputs' shapes (a warm-up vote); the fake group carries no
+    answer. Every stage a ``PipelineRun`` builds is given them, which is what the vote
+    finds in a run: so its result is set here, and no shape is inferred by sending one."""
+    from torch.distributed.pipelining._utils import InferenceMode
+
+    def vote(stages, has_backward: bool, p2p_done: bool) -> None:
+        for stage in stages:
+            stage._inference_mode = InferenceMode.STATIC
+
+    schedule._warmup_p2p = vote
+
+
+@contextlib.contextmanager
+def _chunk_phases(ledger: MemoryLedger):
+    """The ledger's phase follows the schedule's chunks: "backward" inside a stage's
+    backward (whole, or either half of a split one), "forward" elsewhere."""
+    from torch.distributed.pipelining.stage import _PipelineStageBase
+
+    names = ("backward_one_chunk", "backward_weight_one_chunk")
+    originals = {name: getattr(_PipelineStageBase, name) for name in names}
+
+    def phased(original):
+        def chunk(*args, **kwargs):
+            ledger.phase = "backward"
+            try:
+                return original(*args, **kwargs)
+            finally:
+                ledger.phase = "forward"
+
+        return chunk
+
+    for name, original in originals.items():
+        setattr(_PipelineStageBase, name, phased(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(_PipelineStageBase, name, original)
 
 
 def _no_values(name: str, index: int, out: torch.Tensor) -> None:

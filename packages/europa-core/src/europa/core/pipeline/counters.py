@@ -11,6 +11,9 @@ import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 
+from europa.core.pipeline.kinds import STAGE_SEND_KIND
+from europa.spec.tags import mark_traffic
+
 COMPUTE = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 SENDS = ("get_fwd_send_ops", "get_bwd_send_ops")
 
@@ -72,6 +75,8 @@ class StageCounters:
         @functools.wraps(method)
         def counted(*args, **kwargs):
             ops = method(*args, **kwargs)
+            for op in ops:  # filed as the planner's kind by a counter of every send
+                mark_traffic(op.tensor, STAGE_SEND_KIND)
             self.sent_bytes += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
             return ops
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
 SINGLE_STAGE = ("1f1b",)
+STAGE_SEND_KIND = "pipeline_send"  # the planner's traffic kind: hidden states and gradients
 
 
 def fixed_stages_per_rank(schedule: str) -> int | None:

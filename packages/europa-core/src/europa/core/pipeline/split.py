@@ -14,12 +14,18 @@ from collections.abc import Sequence
 from torch import nn
 
 from europa.core.pipeline.cut import LAYERS
+from europa.spec.job import STAGE_MODULES
 
 
 def split_model(model: nn.Module, keep: Sequence[str]) -> nn.Module:
     """A deep copy of ``model`` holding only the modules named in ``keep`` (top-level
     names, and ``layers.<key>`` for layers); build it on the meta device to copy nothing."""
-    stage = copy.deepcopy(model)
+    return keep_only(copy.deepcopy(model), keep)
+
+
+def keep_only(stage: nn.Module, keep: Sequence[str]) -> nn.Module:
+    """``stage`` itself with only the modules named in ``keep`` left (no copy: fake
+    tensors, an execution's, cannot be deep-copied)."""
     wanted = set(keep)
     layers = getattr(stage, LAYERS)
     for key in list(layers.keys()):
@@ -29,3 +35,16 @@ def split_model(model: nn.Module, keep: Sequence[str]) -> nn.Module:
         if name != LAYERS and name not in wanted:
             setattr(stage, name, None)
     return stage
+
+
+def keep_rank_stages(job, model: nn.Module) -> tuple[nn.Module, list[list[str]]]:
+    """This rank's part of ``model`` (cut in place) under ``parallel.pp > 1`` and every
+    stage's module names; the rank's own stages are stated in ``job.state[STAGE_MODULES]``."""
+    from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
+
+    config = job.config
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    names = stage_names(config, shapes, list(getattr(model, LAYERS).keys()))
+    mine = rank_stages(config.parallel, job.mesh["pp"].get_local_rank())
+    job.state[STAGE_MODULES] = [list(names[i]) for i in mine]
+    return keep_only(model, rank_module_names(names, mine)), names

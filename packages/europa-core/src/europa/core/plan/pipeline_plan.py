@@ -31,7 +31,7 @@ from pathlib import Path
 
 from europa.core.job import Job
 from europa.core.pipeline.cut import EMBEDDING, HEAD
-from europa.core.pipeline.kinds import stages_per_rank
+from europa.core.pipeline.kinds import STAGE_SEND_KIND, stages_per_rank
 from europa.core.pipeline.simulate import Simulation, rank_orders, simulate
 from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
 from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_activations
@@ -43,7 +43,7 @@ from europa.core.plan.traffic import EXCHANGE_KIND, INTER, INTRA, Traffic
 from europa.spec.lanes import lanes_wanted
 
 ROOT = "<root>"  # the activations of the embedding, the final norm and the loss
-STAGE_KIND = "pipeline_send"  # hidden states forward, their gradients back
+STAGE_KIND = STAGE_SEND_KIND  # hidden states forward, their gradients back
 
 
 def stage_link(pp_from: int, pp_to: int, data_ranks: int, per_node: int) -> str:
@@ -159,7 +159,10 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     )
     heaviest = max(plans, key=lambda r: plans[r].device_total)
     whole = _WholeRun(config, shapes, hardware, world_size, per_node)
-    return whole.plan(plans[heaviest], pipeline, (with_overlap, without_overlap), sends[heaviest])
+    whole_plan = whole.plan(
+        plans[heaviest], pipeline, (with_overlap, without_overlap), sends[heaviest]
+    )
+    return replace(whole_plan, pipeline_rank_plans=tuple(plans[r] for r in range(pp)))
 
 
 def exposed_exchange_s(step: StepTime) -> float:

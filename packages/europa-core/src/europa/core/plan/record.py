@@ -88,6 +88,17 @@ class Plan:
     traffic_inputs: dict[str, Any] = field(default_factory=dict)  # step_traffic's, for traffic_of
     # With pipeline stages: every pipeline rank's figures (the rest is the heaviest rank's)
     pipeline: PipelinePlan | None = None
+    # and each pipeline rank's own plan, over its stage's data ranks (its layers alone)
+    pipeline_rank_plans: tuple[Plan, ...] = ()
+
+    def rank_view(self, global_rank: int) -> tuple[Plan, int]:
+        """The plan that holds ``global_rank``'s own figures and its rank there: with
+        pipeline stages its pipeline rank's plan (``pp`` is the outermost mesh axis), else
+        this one."""
+        if not self.pipeline_rank_plans:
+            return self, global_rank
+        data_ranks = self.world_size // self.config.parallel.pp
+        return self.pipeline_rank_plans[global_rank // data_ranks], global_rank % data_ranks
 
     @property
     def device_total(self) -> int:

@@ -39,7 +39,7 @@ from europa.core.launch.faults import reporting_faults
 from europa.core.launch.progress import LOST_CONTACT, RankProgress
 from europa.core.model import count_parameters, model_spec, update_expert_bias
 from europa.core.model.materialise import MatrixInitialiser
-from europa.core.pipeline.split import split_model
+from europa.core.pipeline.split import keep_rank_stages
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
 from europa.core.train import metrics
@@ -50,7 +50,6 @@ from europa.core.train.nonfinite import SkippedSteps
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
-from europa.spec.job import STAGE_MODULES
 from europa.spec.metrics import CHECKPOINT_S, CHECKPOINT_STAGING_BYTES, CHECKPOINT_WAIT_S
 
 
@@ -116,14 +115,9 @@ class Trainer:
         stage_names = None
         if cfg.parallel.pp > 1:  # this rank keeps only its stages' modules
             from europa.core.pipeline import runner as pipeline
-            from europa.core.pipeline import stages
 
             pipeline.check_pipeline_plugins(cfg, plugins)
-            shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
-            stage_names = stages.stage_names(cfg, shapes, list(model.layers.keys()))
-            mine = stages.rank_stages(cfg.parallel, job.mesh["pp"].get_local_rank())
-            model = split_model(model, stages.rank_module_names(stage_names, mine))
-            job.state[STAGE_MODULES] = [list(stage_names[i]) for i in mine]
+            model, stage_names = keep_rank_stages(job, model)
         self.data_group = data_group(job.mesh)
         init_matrix = self._initialiser(model)  # full shapes: before sharding
         model = place_model(job, plugins, model, init_matrix)
