@@ -253,6 +253,10 @@ PIPELINE_REFUSALS = [
     (["parallel.pp_layers=[2, 2]"],
      "parallel.pp_layers = [2, 2]: expected empty without pipeline stages"),
     (["parallel.pp_schedule=\"gpipe\""], "parallel.pp_schedule"),
+    (["parallel.pp=2", "parallel.pp_schedule=\"zbv\"", "training.grad_accum_steps=4",
+      "activation_checkpointing.mode=\"full\""],
+     "activation_checkpointing.mode = \"full\": expected \"none\" with parallel.pp_schedule = "
+     "\"zbv\", whose split backward recomputes each block again"),
     (["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_overlap_f_b=\"on\""],
      "parallel.pp_overlap_f_b = \"on\": expected \"auto\" or \"off\" unless parallel.pp > 1 "
      "with a schedule pairing chunks (dualpipev)"),

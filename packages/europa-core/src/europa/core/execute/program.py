@@ -60,10 +60,13 @@ class RankSpec:
         )
 
 
-def _fake_process_group(rank: int, world: int) -> None:
+def _fake_process_group(rank: int, world: int, device: torch.device) -> None:
+    """torch's fake group, for the host and for ``device`` (a batch of point-to-point
+    transfers, a pipeline's, asks the group for the device's own backend)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    backend = "fake" if device.type == "cpu" else f"cpu:fake,{device.type}:fake"
+    dist.init_process_group(backend, store=FakeStore(), rank=rank, world_size=world)
 
 
 def _local_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -91,7 +94,7 @@ def execute(spec: RankSpec) -> dict[str, Any]:
     started = time.perf_counter()
     config, manager = open_session(Path(spec.config_path))
     device = standin.install() if spec.device == "cuda" else torch.device("cpu")
-    _fake_process_group(spec.rank, spec.world_size)
+    _fake_process_group(spec.rank, spec.world_size, device)
     mesh = init_device_mesh(
         device.type, mesh_shape(config.parallel, spec.world_size), mesh_dim_names=MESH_AXES
     )

@@ -59,6 +59,14 @@ class _StandinModule:
     def manual_seed_all(self, seed: int) -> None:
         return None
 
+    # torch.random.fork_rng (a pipeline schedule forks it around its shape inference):
+    # nothing is drawn on fake tensors, so there is no generator state to keep
+    def get_rng_state(self, device=None) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.uint8, device="cpu")
+
+    def set_rng_state(self, state: torch.Tensor, device=None) -> None:
+        return None
+
     def get_amp_supported_dtype(self) -> list[torch.dtype]:
         return [torch.float16, torch.bfloat16, torch.float32]
 

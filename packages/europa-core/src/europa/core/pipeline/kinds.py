@@ -5,6 +5,7 @@ from __future__ import annotations
 
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
+SPLIT_BACKWARD = ("zbv", "dualpipev")  # input gradients, then weight gradients apart
 SINGLE_STAGE = ("1f1b",)
 STAGE_SEND_KIND = "pipeline_send"  # the planner's traffic kind: hidden states and gradients
 
