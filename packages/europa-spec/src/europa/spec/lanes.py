@@ -25,8 +25,10 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch only where a group is made or looked up: a config reads this module
+    import torch.distributed as dist
 
 PAIRED_SCHEDULES = ("dualpipev",)  # schedules with paired forward-backward chunks
 OVERLAP_F_B_MODES = ("auto", "on", "off")  # parallel.pp_overlap_f_b
@@ -38,6 +40,8 @@ _twins: dict[tuple[int, ...], dist.ProcessGroup] = {}  # a group's ranks -> its 
 
 
 def _ranks(group: dist.ProcessGroup | None) -> tuple[int, ...]:
+    import torch.distributed as dist
+
     return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
 
 
@@ -54,6 +58,8 @@ def lanes_wanted(parallel) -> bool:
 def make_twins(groups: Sequence[dist.ProcessGroup | None]) -> None:
     """A twin of each of ``groups`` (None: the world), made for the backward lane. A
     collective over the world: every rank calls it, each with its own groups."""
+    import torch.distributed as dist
+
     mine = sorted({_ranks(group) for group in groups})
     every: list[list[tuple[int, ...]] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(every, mine)

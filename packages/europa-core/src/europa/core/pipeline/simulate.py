@@ -122,7 +122,7 @@ class Simulation:
 
     def bubble(self, rank: int) -> float:
         """The share of the step ``rank`` waits."""
-        return 1 - self.busy_s[rank] / self.step_s if self.step_s else 0.0
+        return max(0.0, 1 - self.busy_s[rank] / self.step_s) if self.step_s else 0.0
 
     @property
     def mean_bubble(self) -> float:
@@ -160,17 +160,16 @@ def simulate(
                 if None in readies:
                     break
                 lengths = [compute_s(a.stage) * SHARE[a.kind] for a in together]
+                start = max(clock[r], readies[0])
                 if len(together) == 1:
-                    start, length = max(clock[r], readies[0]), lengths[0]
+                    work, clock[r] = lengths[0], start + lengths[0]
                 elif exchange_s is None:  # in turn: the backward once its input is there too
-                    start = max(clock[r], readies[0])
-                    length = max(start + lengths[0], readies[1]) + lengths[1] - start
-                    busy[r] -= length - sum(lengths)  # a wait inside the pair is no work
+                    work = sum(lengths)  # a wait inside the pair is no work
+                    clock[r] = max(start + lengths[0], readies[1]) + lengths[1]
                 else:
-                    start = max(clock[r], *readies)
-                    length = _side_by_side(together, lengths, exchange_s)
-                clock[r] = start + length
-                busy[r] += length
+                    work = _side_by_side(together, lengths, exchange_s)
+                    clock[r] = max(start, readies[1]) + work
+                busy[r] += work
                 for a in together:
                     done[a.stage, a.kind, a.micro] = clock[r]
                     if a.kind == FORWARD:
