@@ -136,3 +136,30 @@ def test_each_pipeline_rank_is_planned_over_its_own_layers_once(schedule):
     assert plan.device_total == max(r.device_bytes for r in pipeline.ranks)
     again = make_plan(config, plugins, load_profile("cpu"), 4, shapes=shapes)
     assert again.pipeline == pipeline
+
+
+def test_offloaded_activations_travel_once_a_micro_batch_whatever_a_rank_holds_at_once():
+    """1F1B's first pipeline rank holds two micro-batches' offloaded activations at once,
+    the last one: each sends and fetches every micro-batch's once, M a step."""
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.session import open_session
+
+    micro = 4
+    sets = [
+        "parallel.pp=2",
+        f"training.grad_accum_steps={micro}",
+        "offload.min_tensor_kib=1",
+        "offload.keep_last_blocks=0",
+    ]
+    config, plugins = open_session("tiny", sets, ["offload"])
+    plan = make_plan(config, plugins, load_profile("gh200-jupiter"), 2)
+    held = [r.held_micro_batches for r in plan.pipeline.ranks]
+    assert held == [2, 1]
+    for rank in (0, 1):
+        own, local = plan.rank_view(rank)
+        traffic = own.traffic_of(local)
+        copies = {t.link: t.bytes_per_step for t in traffic if t.kind == "host_copies"}
+        held_host = own.host_terms["activations"]
+        assert held_host > 0
+        # what it holds at once is held[rank] micro-batches' worth; what travels, M of them
+        assert copies["device_to_host"] == pytest.approx(held_host / held[rank] * micro)

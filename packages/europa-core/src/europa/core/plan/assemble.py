@@ -123,6 +123,7 @@ def assemble(
     names = scope.blocks if scope is not None else _every_block(config)
     by_mode = stage_activations(config, hardware, plan, names)
     acts = by_mode["full" if recompute else "none"]
+    host_per_micro_batch = acts.host  # what goes out and back each micro-batch
     if scope is not None and scope.held_device is not None:
         acts = replace(acts, device=scope.held_device + acts.recompute, host=scope.held_host)
     state = RankState.of(layout)
@@ -168,7 +169,7 @@ def assemble(
         compute_bytes=compute_bytes,
         reduce_bytes=reduce_bytes,
         micro_batches=training.grad_accum_steps,
-        host_bytes_per_micro_batch=acts.host,
+        host_bytes_per_micro_batch=host_per_micro_batch,
         host_optimizer_bytes=optimizer_on_host,
         kept_blocks=kept_gathered,
     )
