@@ -55,6 +55,7 @@ COUPLED = {
     "parallel.pp",
     "parallel.pp_schedule",
     "parallel.pp_stages_per_rank",
+    "parallel.pp_overlap_f_b",
     "parallel.pp_layers",
     "model.num_experts",
     "model.top_k",
@@ -170,6 +171,8 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         own = {"1f1b": st.just(1), "zbv": st.just(2), "dualpipev": st.just(2)}
         per_rank = draw(st.one_of(st.just(0), own.get(schedule, st.integers(2, 8))))
         out |= {"parallel.pp_schedule": schedule, "parallel.pp_stages_per_rank": per_rank}
+        # "on" needs stages (pp > 1) and a pairing schedule: test_pipeline's refusals
+        out["parallel.pp_overlap_f_b"] = draw(st.sampled_from(["auto", "off"]))
     if draw(st.booleans()):  # one folder name: UTF-8, non-empty, no "/" or NUL, <= 200 bytes
         letters = st.characters(exclude_characters="/\0", exclude_categories=["Cs"])
         name = draw(st.text(letters, min_size=1, max_size=50))
