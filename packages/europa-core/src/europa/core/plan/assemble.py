@@ -172,6 +172,7 @@ def assemble(
         host_bytes_per_micro_batch=host_per_micro_batch,
         host_optimizer_bytes=optimizer_on_host,
         kept_blocks=kept_gathered,
+        root_kept=scope is None,  # a stage's root parts are gathered again for backward
     )
     traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)

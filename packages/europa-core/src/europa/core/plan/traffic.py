@@ -101,17 +101,21 @@ def step_traffic(
     host_bytes_per_micro_batch: int,
     host_optimizer_bytes: int,
     kept_blocks: Collection[str] = (),
+    root_kept: bool = True,
     rank: int | None = None,
 ) -> list[Traffic]:
     """``kept_blocks``: the blocks that keep their gathered parameters from forward to
     backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch.
+    ``root_kept``: the root (embedding, final norm, head) stays gathered from forward to
+    backward, as it does around a whole model; a pipeline stage gathers each of them as a
+    block of its own, again for backward.
     ``rank``: the rank of the gather group whose bytes to count where they differ by rank
     (direct transfers); default: the one that sends most."""
     group = layout["gather_group_size"]
     shard_link = contiguous_link(group, gpus_per_node)
     # Blocks are gathered for forward and again for backward, unless kept between the
-    # two; the root stays gathered between the two.
-    once = {ROOT_UNIT, *kept_blocks}
+    # two; the root of a whole model stays gathered between the two.
+    once = {*kept_blocks, *([ROOT_UNIT] if root_kept else [])}
     direct = bool(layout.get("direct_transfers")) and group > 1
     if direct:
         by_link = _direct_transfers(layout, once, rank, gpus_per_node)
