@@ -18,9 +18,9 @@ import threading
 import time
 from collections import defaultdict
 
-BACKWARD_THREAD = "backward "  # europa.core.pipeline.paired's name prefix
+from _steps import Intervals, difference, intersect, length, union
 
-Intervals = list[tuple[float, float]]
+BACKWARD_THREAD = "backward "  # europa.core.pipeline.paired's name prefix
 
 
 class ExchangeClock:
@@ -47,31 +47,29 @@ class ExchangeClock:
         return _TimedWork(work, self) if async_op else work
 
     def _watch_backward_threads(self) -> None:
-        clock, run, join = self, threading.Thread.run, threading.Thread.join
+        """A backward thread's life ("alive") and the training thread's ``join`` of it
+        ("idle"), recorded by wrapping ``threading.Thread.run`` and ``join``."""
+        for name, kind in (("run", "alive"), ("join", "idle")):
+            setattr(threading.Thread, name, self._timed_thread_method(name, kind))
 
-        def timed_run(thread, *args, **kwargs):
+    def _timed_thread_method(self, name: str, kind: str):
+        clock, method = self, getattr(threading.Thread, name)
+
+        def timed(thread, *args, **kwargs):
             started = time.perf_counter()
             try:
-                return run(thread, *args, **kwargs)
+                return method(thread, *args, **kwargs)
             finally:
                 if thread.name.startswith(BACKWARD_THREAD):
-                    clock._record("alive", started)
+                    clock._record(kind, started)
 
-        def timed_join(thread, *args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return join(thread, *args, **kwargs)
-            finally:
-                if thread.name.startswith(BACKWARD_THREAD):
-                    clock._record("idle", started)
-
-        threading.Thread.run, threading.Thread.join = timed_run, timed_join
+        return timed
 
     def take(self) -> float:
         """The exposed exchange since the last ``take`` (see the module's note)."""
         spans, self._spans = self._spans, defaultdict(list)
-        idle, alive, waits = (_union(spans[k]) for k in ("idle", "alive", "waits"))
-        return _length(_subtract(idle, alive)) + _length(_intersect(idle, waits))
+        idle, alive, waits = (union(spans[k]) for k in ("idle", "alive", "waits"))
+        return length(difference(idle, alive)) + length(intersect(idle, waits))
 
 
 class _TimedWork:
@@ -84,37 +82,3 @@ class _TimedWork:
             return self.work.wait(*args, **kwargs)
         finally:
             self.clock._blocked(started)
-
-
-def _union(spans: Intervals) -> Intervals:
-    merged: Intervals = []
-    for start, end in sorted(spans):
-        if merged and start <= merged[-1][1]:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], end))
-        else:
-            merged.append((start, end))
-    return merged
-
-
-def _intersect(a: Intervals, b: Intervals) -> Intervals:
-    return [(max(s, t), min(e, f)) for s, e in a for t, f in b if max(s, t) < min(e, f)]
-
-
-def _subtract(a: Intervals, b: Intervals) -> Intervals:
-    out = []
-    for start, end in a:
-        for t, f in b:
-            if f <= start or t >= end:
-                continue
-            if t > start:
-                out.append((start, t))
-            start = max(start, f)
-            if start >= end:
-                break
-        if start < end:
-            out.append((start, end))
-    return out
-
-
-def _length(spans: Intervals) -> float:
-    return sum(end - start for start, end in spans)

@@ -161,3 +161,30 @@ def print_result(benchmark: str, args: Any, configs: list, comparisons: Any, **e
         "comparisons": comparisons,
     }
     print(json.dumps(result, indent=2))
+
+
+# -- ranks launched as processes of their own (on emulated nodes: _netns) ---------------------
+
+
+def write_gathered(path: Path, mine: dict) -> None:
+    """Every rank's ``mine``, gathered and written by rank 0 to ``path`` as JSON (a list by
+    rank); then the process group ends. A collective: every rank calls it last."""
+    import torch.distributed as dist
+
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    if dist.get_rank() == 0:
+        path.write_text(json.dumps(gathered))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def first_failure(procs: list, logs: list[Path]) -> str | None:
+    """Wait for every rank's process; None, or the first failed rank's exit code and the
+    last line of its log."""
+    codes = [p.wait() for p in procs]
+    for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
+        if code:
+            lines = [line for line in log.read_text().splitlines() if line.strip()]
+            return f"rank {rank} exited {code}: {lines[-1] if lines else ''}"
+    return None

@@ -58,6 +58,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _exchange_clock import ExchangeClock
+from _harness import first_failure, write_gathered
 from _netns import TwoNodes, emulated_link, teardown
 
 NODES = TwoNodes(("europa-en0", "europa-en1"), ("10.232.0.1", "10.232.0.2"))
@@ -178,7 +179,6 @@ def europa_worker(args) -> None:
     import warnings
 
     import torch
-    import torch.distributed as dist
     from _links import LinkCounter
 
     warnings.filterwarnings("ignore")
@@ -217,12 +217,7 @@ def europa_worker(args) -> None:
         if args.phase == "speed"
         else {},
     }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() == 0:
-        (out / f"{args.phase}.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out / f"{args.phase}.json", mine)
 
 
 def torchtitan_worker(args) -> None:
@@ -295,14 +290,7 @@ def _launch(args, out: Path, worker: str, phase: str, emulated: bool) -> str | N
         log = out / f"{worker}-{phase}-rank{rank}.log"
         logs.append(log)
         procs.append(subprocess.Popen(cmd, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT))
-    codes = [p.wait() for p in procs]
-    if not any(codes):
-        return None
-    for log, code in zip(logs, codes, strict=True):
-        if code:
-            lines = [line for line in log.read_text().splitlines() if line.strip()]
-            return f"rank {logs.index(log)} exited {code}: {lines[-1] if lines else ''}"
-    return None
+    return first_failure(procs, logs)
 
 
 def _forwarded(args) -> list[str]:

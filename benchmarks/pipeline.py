@@ -55,6 +55,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _exchange_clock import ExchangeClock
+from _harness import first_failure, write_gathered
 from _netns import TwoNodes, emulated_link, teardown
 
 NODES = TwoNodes(("europa-pp0", "europa-pp1"), ("10.233.0.1", "10.233.0.2"))
@@ -203,12 +204,7 @@ def europa_worker(args) -> None:
         mine["planned"] = {
             name: _planned(args, phase, extra) for name, extra in phase.configs.items()
         }
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    if dist.get_rank() == 0:
-        (out / f"{args.phase}.json").write_text(json.dumps(gathered))
-    dist.barrier()
-    dist.destroy_process_group()
+    write_gathered(out / f"{args.phase}.json", mine)
 
 
 def torchtitan_worker(args) -> None:
@@ -248,12 +244,7 @@ def _launch(args, out: Path, worker: str, phase: str = "layouts") -> str | None:
         logs.append(log)
         procs.append(subprocess.Popen(NODES.command(node, cmd), env=env, stdout=log.open("w"),
                                       stderr=subprocess.STDOUT))  # fmt: skip
-    codes = [p.wait() for p in procs]
-    for rank, (log, code) in enumerate(zip(logs, codes, strict=True)):
-        if code:
-            lines = [line for line in log.read_text().splitlines() if line.strip()]
-            return f"rank {rank} exited {code}: {lines[-1] if lines else ''}"
-    return None
+    return first_failure(procs, logs)
 
 
 def _summary(gathered: list[dict], phase: Phase) -> dict:
