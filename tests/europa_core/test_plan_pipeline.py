@@ -50,6 +50,9 @@ def test_every_stage_runs_each_micro_batch_once_after_what_it_needs(schedule, pp
         assert {a.stage for a in order} <= set(range(stages))
         assert sim.busy_s[rank] <= sim.step_s + 1e-9
         assert 0 <= sim.bubble(rank) < 1
+        # a stage's parts make up its compute, the first stage's split backward included
+        held = {a.stage for a in order}
+        assert sim.busy_s[rank] == pytest.approx(micro * sum(costs[s] for s in held))
 
 
 @settings(max_examples=30, deadline=None)
@@ -99,6 +102,26 @@ def test_a_pair_takes_the_longest_of_its_computes_its_exchanges_and_each_part():
     # before the pair: 2 + 1.25; the pair: max(1 + 2, 1 + 0.5, 2, 2.5) = 3, in turn 4.5
     assert side.step_s == pytest.approx(3.25 + 3.0)
     assert in_turn.step_s == pytest.approx(3.25 + 4.5)
+
+
+def test_the_first_stage_computes_its_split_backward_in_the_weight_half():
+    """Its input is tokens, with no gradient to compute: torch runs the whole backward
+    when asked for the weights'."""
+    first = [Action(0, FORWARD, 0), Action(0, INPUT_GRAD, 0), Action(0, WEIGHT_GRAD, 0)]
+    later = [Action(1, FORWARD, 0), Action(1, INPUT_GRAD, 0), Action(1, WEIGHT_GRAD, 0)]
+    assert [a.share for a in first] == pytest.approx([1 / 3, 0, 2 / 3])
+    assert [a.share for a in later] == pytest.approx([1 / 3, 1 / 3, 1 / 3])
+    # rank 1's input gradient reaches rank 0, which then has its whole backward to do
+    sim = simulate({0: [first[0], first[1], first[2]], 1: later}, lambda s: 3.0,
+                   lambda a, b: 0.0)  # fmt: skip
+    assert sim.finished_s == pytest.approx({0: 1 + 2 + 2, 1: 1 + 1 + 2})
+
+
+def test_a_pipeline_rank_done_early_waits_out_the_pipelines_step():
+    from europa.core.pipeline.runner import bubbles
+
+    # rank 1 computed 0.9 s of its own 1.0 s run; the pipeline's step was rank 0's 1.2 s
+    assert bubbles([1.1, 0.9], [1.2, 1.0]) == pytest.approx([1 - 1.1 / 1.2, 1 - 0.9 / 1.2])
 
 
 def test_an_order_that_cannot_proceed_is_named():

@@ -29,7 +29,8 @@ CHECKPOINT_STAGING_BYTES = "checkpoint_staging_bytes"
 VAL_LOSS = "val_loss"
 VAL_PERPLEXITY = "val_perplexity"
 # With pipeline stages, one entry per pipeline rank: the bytes its stages sent to other
-# ranks this step, and the share of the schedule's run it waited (its bubble).
+# ranks this step, and the share of the pipeline's step (the longest of the ranks' schedule
+# runs) it did not compute (its bubble).
 PIPELINE_SENT_BYTES = "pipeline_sent_bytes"
 PIPELINE_BUBBLE = "pipeline_bubble"
 

@@ -53,6 +53,15 @@ def stage_view(model: nn.Module, keep: Sequence[str]) -> nn.Module:
     return view
 
 
+def bubbles(compute_s: Sequence[float], schedule_s: Sequence[float]) -> list[float]:
+    """Each pipeline rank's bubble: the share of the pipeline's step it did not compute,
+    the step being the longest of the ranks' schedule runs (they start together, after
+    the last step's collectives). A rank done early waits for the others there, as the
+    plan counts it."""
+    step = max(schedule_s)
+    return [1 - c / step for c in compute_s]
+
+
 class PipelineRun:
     """This rank's stages of ``model`` (the rank module) and the schedule over them."""
 
@@ -112,14 +121,14 @@ class PipelineRun:
         """This step's bytes sent and bubble of every pipeline rank (a collective)."""
         counters = self.counters
         mine = torch.tensor(
-            [float(counters.sent_bytes), 1 - counters.compute_s / self.schedule_s],
+            [float(counters.sent_bytes), counters.compute_s, self.schedule_s],
             dtype=torch.float64,
         )
         every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(every, mine, group=self.group)
         return {
             PIPELINE_SENT_BYTES: [int(t[0]) for t in every],
-            PIPELINE_BUBBLE: [float(t[1]) for t in every],
+            PIPELINE_BUBBLE: bubbles([float(t[1]) for t in every], [float(t[2]) for t in every]),
         }
 
     @torch.no_grad()

@@ -11,7 +11,9 @@ stage a rank without a list, has its order written out here as ``Schedule1F1B`` 
 needs has arrived: the previous stage's forward of the micro-batch (one transfer later
 when that stage is on another rank), the next stage's backward of it, and for ``W`` its
 own ``I``. Its duration is the stage's planned compute for one micro-batch: a forward a
-third of it, a whole backward two thirds, each half of a split backward a third.
+third of it, a whole backward two thirds, each half of a split backward a third. The
+first stage's input is tokens, which take no gradient: its ``I`` computes nothing and
+its ``W`` the whole backward (torch runs the backward there when asked for the weights').
 
 A micro-batch's activations are held from a stage's forward to the end of its backward
 (``B``, or ``W``: the weights' gradient reads most of what the forward saved).
@@ -34,6 +36,7 @@ from dataclasses import dataclass
 
 FORWARD, BACKWARD, INPUT_GRAD, WEIGHT_GRAD = "F", "B", "I", "W"
 SHARE = {FORWARD: 1 / 3, BACKWARD: 2 / 3, INPUT_GRAD: 1 / 3, WEIGHT_GRAD: 1 / 3}
+FIRST_STAGE_SHARE = {**SHARE, INPUT_GRAD: 0.0, WEIGHT_GRAD: SHARE[BACKWARD]}
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class Action:
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.micro}"
+
+    @property
+    def share(self) -> float:
+        """This action's part of its stage's forward and backward of one micro-batch."""
+        return (FIRST_STAGE_SHARE if self.stage == 0 else SHARE)[self.kind]
 
 
 def one_f_one_b(stage: int, stages: int, micro: int) -> list[Action]:
@@ -159,7 +167,7 @@ def simulate(
                 readies = [_ready(a, done, last, transfer_s) for a in together]
                 if None in readies:
                     break
-                lengths = [compute_s(a.stage) * SHARE[a.kind] for a in together]
+                lengths = [compute_s(a.stage) * a.share for a in together]
                 start = max(clock[r], readies[0])
                 if len(together) == 1:
                     work, clock[r] = lengths[0], start + lengths[0]
@@ -189,8 +197,8 @@ def simulate(
 def _side_by_side(pair: Sequence[Action], lengths: Sequence[float], exchange_s) -> float:
     """A paired forward and backward run side by side (see the design note)."""
     (first, second), (one, two) = pair, lengths
-    x1 = min(exchange_s(first.stage) * SHARE[first.kind], one)
-    x2 = min(exchange_s(second.stage) * SHARE[second.kind], two)
+    x1 = min(exchange_s(first.stage) * first.share, one)
+    x2 = min(exchange_s(second.stage) * second.share, two)
     c1, c2 = one - x1, two - x2
     return max(c1 + c2, x1 + x2, one, two)
 
