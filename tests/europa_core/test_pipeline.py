@@ -12,7 +12,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from europa.core.pipeline.cut import balanced_cut, stage_module_names, stated_cut
+from europa.core.pipeline.cut import (
+    balanced_cut,
+    rank_balanced_cut,
+    stage_module_names,
+    stated_cut,
+)
 from europa.core.pipeline.schedules import SCHEDULES
 
 costs_and_stages = st.lists(st.integers(0, 50), min_size=1, max_size=9).flatmap(
@@ -33,6 +38,42 @@ def test_the_cut_holds_every_layer_once_in_order_and_its_largest_stage_is_least(
         edges = [0, *bounds, len(costs)]
         other = max(sum(costs[a:b]) for a, b in itertools.pairwise(edges))
         assert largest <= other
+
+
+def _rank_costs(costs, cut, rank_of) -> dict[int, float]:
+    out: dict[int, float] = {}
+    for s, stage in enumerate(cut):
+        out[rank_of[s]] = out.get(rank_of[s], 0) + sum(costs[i] for i in stage)
+    return out
+
+
+@given(costs_and_stages, st.integers(1, 4), st.booleans())
+@settings(max_examples=200, deadline=None)
+def test_a_rank_running_several_stages_is_never_busier_than_the_stage_balanced_cut_left_it(
+    case, pp, v_shaped
+):
+    from europa.core.pipeline.stages import stages_of_rank
+
+    costs, _ = case
+    per_rank = 2 if v_shaped else max(1, len(costs) // pp // 2)
+    if pp * per_rank > len(costs):
+        return
+    schedule = "zbv" if v_shaped else "interleaved-1f1b"
+    rank_of = {s: r for r in range(pp) for s in stages_of_rank(schedule, r, pp, per_rank)}
+    order = [rank_of[s] for s in range(pp * per_rank)]
+    cut = rank_balanced_cut(costs, order)
+    assert len(cut) == len(order) and all(len(stage) > 0 for stage in cut)
+    assert [i for stage in cut for i in stage] == list(range(len(costs)))
+    balanced = balanced_cut(costs, len(order))
+    busiest = max(_rank_costs(costs, cut, order).values())
+    assert busiest <= max(_rank_costs(costs, balanced, order).values())
+
+
+def test_interleaving_six_equal_layers_over_two_ranks_gives_each_three():
+    # stage-balanced alone, 2, 1, 2, 1 puts four layers on rank 0 and two on rank 1
+    cut = rank_balanced_cut([1.0] * 6, [0, 1, 0, 1])
+    assert _rank_costs([1.0] * 6, cut, [0, 1, 0, 1]) == {0: 3.0, 1: 3.0}
+    assert max(len(stage) for stage in cut) == 2
 
 
 def test_a_cut_too_fine_or_stated_wrong_is_refused():

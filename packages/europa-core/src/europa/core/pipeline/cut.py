@@ -6,6 +6,13 @@ the embedding is a lookup and the output head a product over the vocabulary, and
 counts to the stage that holds it (the first and the last). The cut minimises the largest
 stage's cost over every split into non-empty runs of consecutive layers (exact, by
 dynamic programming: at most a few hundred layers).
+
+Where a rank runs several stages (interleaved 1F1B, the V schedules), what sets the step
+is the busiest rank, the sum of its stages: six equal layers in four stages cut 2, 1, 2, 1
+are as balanced as stages can be, yet interleaving puts 4 layers on rank 0 and 2 on
+rank 1. So the stage-balanced cut is then moved, one boundary one layer at a time, while
+that lowers the busiest rank's cost (then the largest stage's): a local search, never
+worse than where it starts.
 """
 
 from __future__ import annotations
@@ -76,18 +83,53 @@ def balanced_cut(costs: Sequence[float], stages: int) -> list[range]:
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
+def rank_balanced_cut(costs: Sequence[float], rank_of: Sequence[int]) -> list[range]:
+    """A cut of the items into ``len(rank_of)`` stages, stage ``s`` run by rank
+    ``rank_of[s]``: the stage-balanced cut, then improved for the busiest rank (see the
+    module's note)."""
+    stages = len(rank_of)
+    prefix = [0.0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+
+    def badness(bounds: list[int]) -> tuple[float, float]:
+        stage = [prefix[b] - prefix[a] for a, b in itertools.pairwise(bounds)]
+        rank: dict[int, float] = {}
+        for s, cost in enumerate(stage):
+            rank[rank_of[s]] = rank.get(rank_of[s], 0.0) + cost
+        return max(rank.values()), max(stage)
+
+    cut = balanced_cut(costs, stages)
+    bounds = [r.start for r in cut] + [len(costs)]
+    current = badness(bounds)
+    improved = True
+    while improved:
+        improved = False
+        for i in range(1, stages):
+            for step in (-1, 1):
+                moved = bounds[i] + step
+                if not bounds[i - 1] < moved < bounds[i + 1]:
+                    continue  # a stage would be left empty
+                trial = [*bounds[:i], moved, *bounds[i + 1 :]]
+                score = badness(trial)
+                if score < current:
+                    bounds, current, improved = trial, score, True
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
 def model_cut(
     parameters: Mapping[str, Sequence[int]],
     layer_keys: Sequence[str],
-    stages: int,
+    rank_of: Sequence[int],
     attention_per_layer: int,
     top_k: int,
     num_experts: int,
 ) -> list[range]:
-    """The balanced cut of the model's layers, the head counted to the last layer's stage."""
+    """The balanced cut of the model's layers into ``len(rank_of)`` stages (stage ``s`` on
+    rank ``rank_of[s]``), the head counted to the last layer's stage."""
     layers, head = layer_costs(parameters, layer_keys, attention_per_layer, top_k, num_experts)
     layers[-1] += head
-    return balanced_cut(layers, stages)
+    return rank_balanced_cut(layers, rank_of)
 
 
 def stated_cut(layers_per_stage: Sequence[int], n_layers: int) -> list[range]:

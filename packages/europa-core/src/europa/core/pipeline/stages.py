@@ -38,7 +38,8 @@ def stage_names(
         cut = stated_cut(p.pp_layers, len(layer_keys))
     else:
         attention = attention_flops_per_token(m, config.training.seq_len) // m.n_layers
-        cut = model_cut(parameters, layer_keys, stage_count(p), attention, m.top_k, m.num_experts)
+        rank_of = stage_ranks(p)
+        cut = model_cut(parameters, layer_keys, rank_of, attention, m.top_k, m.num_experts)
     return stage_module_names(cut, layer_keys)
 
 
@@ -46,6 +47,12 @@ def rank_stages(parallel, pp_rank: int) -> list[int]:
     """The stages pipeline rank ``pp_rank`` runs under ``parallel``'s schedule."""
     per_rank = stages_per_rank(parallel.pp_schedule, parallel.pp_stages_per_rank)
     return stages_of_rank(parallel.pp_schedule, pp_rank, parallel.pp, per_rank)
+
+
+def stage_ranks(parallel) -> list[int]:
+    """The pipeline rank that runs each stage, in stage order."""
+    rank_of = {s: r for r in range(parallel.pp) for s in rank_stages(parallel, r)}
+    return [rank_of[s] for s in range(stage_count(parallel))]
 
 
 def rank_module_names(names: Sequence[Sequence[str]], stages: Sequence[int]) -> list[str]:
