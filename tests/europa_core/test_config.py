@@ -31,6 +31,7 @@ from europa.core.config import (
     setting,
 )
 from europa.core.config.fields import bounds_of
+from europa.core.config.rules import TIMEOUT_LADDER
 from europa.core.errors import ConfigError
 
 PRESETS = ["debug", "kimi-k2", "small", "tiny"]
@@ -71,6 +72,13 @@ COUPLED = {
     "parallel.ep_dispatch_dtype",
     "parallel.ep_max_nodes_per_token",
     "parallel.ep_keep_exchanges",  # needs activation checkpointing's table: not drawn here
+    "parallel.dp_replicate",
+    "fault_tolerance.enabled",
+    "fault_tolerance.min_replicas",
+    "fault_tolerance.process_group_timeout_s",
+    "fault_tolerance.step_timeout_s",
+    "fault_tolerance.join_timeout_s",
+    "fault_tolerance.quorum_timeout_s",
 }
 INT64 = 2**63 - 1
 
@@ -173,6 +181,18 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         out |= {"parallel.pp_schedule": schedule, "parallel.pp_stages_per_rank": per_rank}
         # "on" needs stages (pp > 1) and a pairing schedule: test_pipeline's refusals
         out["parallel.pp_overlap_f_b"] = draw(st.sampled_from(["auto", "off"]))
+    if draw(st.booleans()):  # replica groups, and fault tolerance's ladder of timeouts
+        replicas = draw(st.integers(1, 64))
+        out["parallel.dp_replicate"] = replicas
+        if replicas > 1 and draw(st.booleans()):
+            ladder = sorted(draw(st.sets(st.integers(1, 10**6), min_size=4, max_size=4)))
+            out |= {
+                "fault_tolerance.enabled": True,
+                "fault_tolerance.min_replicas": draw(st.integers(1, replicas)),
+                "parallel.pp": 1,
+                "plugins.enabled": [],
+                **{f"fault_tolerance.{k}": v for k, v in zip(TIMEOUT_LADDER, ladder, strict=True)},
+            }
     if draw(st.booleans()):  # one folder name: UTF-8, non-empty, no "/" or NUL, <= 200 bytes
         letters = st.characters(exclude_characters="/\0", exclude_categories=["Cs"])
         name = draw(st.text(letters, min_size=1, max_size=50))
@@ -528,7 +548,7 @@ BAD = [
         "[zzzz]\nx = 1\n",
         [],
         "[zzzz]: unknown table; expected one of run, model, training, optimizer, "
-        "lr_schedule, parallel, data, checkpoint, metrics, plugins",
+        "lr_schedule, parallel, data, checkpoint, fault_tolerance, metrics, plugins",
     ),
     (
         "file-top-level-key",

@@ -33,6 +33,15 @@ VAL_PERPLEXITY = "val_perplexity"
 # runs) it did not compute (its bubble).
 PIPELINE_SENT_BYTES = "pipeline_sent_bytes"
 PIPELINE_BUBBLE = "pipeline_bubble"
+# With fault_tolerance.enabled: the replica groups that took part in the step, whether it
+# committed (else it is retried), the seconds this group spent receiving a healthy peer's
+# state before it (a heal), and, every fault_tolerance.check_every steps and after a heal,
+# a digest of each rank's parameters and optimizer state (one entry a rank of the group;
+# every group's must agree).
+REPLICAS = "replicas"
+COMMITTED = "committed"
+HEAL_S = "heal_s"
+STATE_DIGEST = "state_digest"
 
 TRAINING_KEYS = frozenset(
     {
@@ -54,7 +63,8 @@ TRAINING_KEYS = frozenset(
 VALIDATION_KEYS = frozenset({VAL_LOSS, VAL_PERPLEXITY})
 CHECKPOINT_KEYS = frozenset({CHECKPOINT_S, CHECKPOINT_WAIT_S, CHECKPOINT_STAGING_BYTES})
 PIPELINE_KEYS = frozenset({PIPELINE_SENT_BYTES, PIPELINE_BUBBLE})
-CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS
+REPLICA_KEYS = frozenset({REPLICAS, COMMITTED, HEAL_S, STATE_DIGEST})
+CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS | REPLICA_KEYS
 
 
 __all__ = [
@@ -62,19 +72,24 @@ __all__ = [
     "CHECKPOINT_S",
     "CHECKPOINT_STAGING_BYTES",
     "CHECKPOINT_WAIT_S",
+    "COMMITTED",
     "CORE_KEYS",
     "EXPERT_IMBALANCE",
     "EXPERT_IMBALANCE_MAX",
     "EXPERT_LOAD",
     "GRAD_NORM",
+    "HEAL_S",
     "LOSS",
     "LR",
     "MEMORY_PEAK_BYTES",
     "PIPELINE_BUBBLE",
     "PIPELINE_KEYS",
     "PIPELINE_SENT_BYTES",
+    "REPLICAS",
+    "REPLICA_KEYS",
     "SKIPPED",
     "SKIPPED_STEPS",
+    "STATE_DIGEST",
     "STEP",
     "STEP_TIME_S",
     "TOKENS_PER_S",

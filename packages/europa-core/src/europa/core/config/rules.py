@@ -3,6 +3,7 @@ value and the bound another key sets."""
 
 from __future__ import annotations
 
+import itertools
 from typing import TYPE_CHECKING
 
 from europa.core.config.values import fail
@@ -29,6 +30,36 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
     if t.seq_len > m.max_seq_len:
         raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
     _check_pipeline(config)
+    _check_fault_tolerance(config)
+
+
+# Each stage of the ladder must outlast the one below it: a slow collective fails the
+# step before the step's own timeout, a live group still in its step is waited for before
+# the quorum forms without it, and a quorum request outlasts that wait.
+TIMEOUT_LADDER = ("process_group_timeout_s", "step_timeout_s", "join_timeout_s",
+                  "quorum_timeout_s")  # fmt: skip
+
+
+def _check_fault_tolerance(config: EuropaConfig) -> None:
+    ft, p = config.fault_tolerance, config.parallel
+    if not ft.enabled:
+        return
+    for lower, higher in itertools.pairwise(TIMEOUT_LADDER):
+        below, value = getattr(ft, lower), getattr(ft, higher)
+        if value <= below:
+            raise fail(f"fault_tolerance.{higher}", value,
+                       f"more than fault_tolerance.{lower} ({below})")  # fmt: skip
+    if p.dp_replicate < 2:
+        raise fail("parallel.dp_replicate", p.dp_replicate,
+                   "2 or more replica groups with fault_tolerance.enabled")  # fmt: skip
+    if ft.min_replicas > p.dp_replicate:
+        raise fail("fault_tolerance.min_replicas", ft.min_replicas,
+                   f"at most parallel.dp_replicate ({p.dp_replicate})")  # fmt: skip
+    if p.pp > 1:
+        raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
+    if "flexshard" in config.plugins.enabled:
+        raise fail("plugins.enabled", config.plugins.enabled,
+                   "no flexshard with fault_tolerance.enabled (not built yet)")  # fmt: skip
 
 
 def _check_pipeline(config: EuropaConfig) -> None:

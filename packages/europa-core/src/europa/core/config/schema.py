@@ -213,6 +213,42 @@ class CheckpointConfig:
 
 
 @dataclass(kw_only=True)
+class FaultToleranceConfig:
+    enabled: bool = setting(
+        False,
+        doc="each of parallel.dp_replicate replica groups trains as its own job; torchft "
+        "sums gradients over the groups in each step's quorum, steps the optimizer only when "
+        "they commit, and heals a group that (re)joins from a healthy peer",
+    )
+    lighthouse: str = setting(
+        "",
+        doc="address of the torchft Lighthouse (http://host:port); empty: europa train starts "
+        "one on 127.0.0.1 for the replica groups it launches on this machine",
+    )
+    min_replicas: int = setting(1, gt=0, doc="replica groups a step needs to commit")
+    check_every: int = setting(
+        0,
+        ge=0,
+        doc="every N steps (and after a heal), record a digest of each rank's parameters "
+        "and optimizer state in metrics.jsonl: every group's must agree; 0: only after a heal",
+    )
+    process_group_timeout_s: float = setting(
+        30.0, gt=0, doc="a cross-replica collective that takes longer fails the step"
+    )
+    step_timeout_s: float = setting(
+        60.0, gt=0, doc="the commit vote and a heal's transfer: longer fails the step"
+    )
+    join_timeout_s: float = setting(
+        90.0,
+        gt=0,
+        doc="how long the Lighthouse waits for a live group to ask for the next quorum",
+    )
+    quorum_timeout_s: float = setting(
+        120.0, gt=0, doc="how long a group waits for a quorum before it gives up"
+    )
+
+
+@dataclass(kw_only=True)
 class MetricsConfig:
     log_every: int = setting(1, gt=0)
     progress: bool = setting(True, doc="progress bar on rank 0")
@@ -241,6 +277,7 @@ CORE_SECTIONS: tuple[ConfigSection, ...] = (
     ConfigSection("parallel", ParallelConfig),
     ConfigSection("data", DataConfig),
     ConfigSection("checkpoint", CheckpointConfig),
+    ConfigSection("fault_tolerance", FaultToleranceConfig),
     ConfigSection("metrics", MetricsConfig),
     ConfigSection("plugins", PluginsConfig),
 )
@@ -259,6 +296,7 @@ class EuropaConfig:
     parallel: ParallelConfig
     data: DataConfig
     checkpoint: CheckpointConfig
+    fault_tolerance: FaultToleranceConfig
     metrics: MetricsConfig
     plugins: PluginsConfig
     extensions: dict[str, Any] = field(default_factory=dict)

@@ -22,7 +22,13 @@ from europa.core.checkpoint.background import BackgroundSaves
 from europa.core.checkpoint.global_batch import KEY as GLOBAL_BATCH
 from europa.core.checkpoint.global_batch import check_global_batch, global_batch
 from europa.core.config.schema import EuropaConfig
-from europa.core.errors import DamagedCheckpoint
+from europa.core.errors import DamagedCheckpoint, LaunchError
+from europa.core.fault.state import (
+    ReplicaPlace,
+    load_replica_state,
+    replica_state,
+    state_digest,
+)
 from europa.core.hf.load import HFInitialiser, load_buffers, open_initialiser
 from europa.core.job import Job
 from europa.core.launch.distributed import (
@@ -37,7 +43,8 @@ from europa.core.launch.distributed import (
 )
 from europa.core.launch.faults import reporting_faults
 from europa.core.launch.progress import LOST_CONTACT, RankProgress
-from europa.core.model import count_parameters, model_spec, update_expert_bias
+from europa.core.model import count_parameters, model_spec
+from europa.core.model.load_balance import move_expert_bias, summed_counts
 from europa.core.model.materialise import MatrixInitialiser
 from europa.core.pipeline.split import keep_rank_stages
 from europa.core.plugins.manager import EuropaPluginManager
@@ -50,7 +57,16 @@ from europa.core.train.nonfinite import SkippedSteps
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
-from europa.spec.metrics import CHECKPOINT_S, CHECKPOINT_STAGING_BYTES, CHECKPOINT_WAIT_S
+from europa.spec.metrics import (
+    CHECKPOINT_S,
+    CHECKPOINT_STAGING_BYTES,
+    CHECKPOINT_WAIT_S,
+    COMMITTED,
+    HEAL_S,
+    REPLICAS,
+    STATE_DIGEST,
+)
+from europa.spec.replicas import LAYOUT_SUMS_REPLICAS, REPLICA_GROUPS
 
 
 def _mean_over_ranks(value: torch.Tensor) -> float:
@@ -94,10 +110,12 @@ class Trainer:
         *,
         from_older: bool = False,
         progress: RankProgress | None = None,
+        replica: ReplicaPlace | None = None,
     ) -> None:
         """``resume_from``: the checkpoint the launcher chose to continue from (None: a
         fresh start); ``from_older``: when loading finds it damaged, continue from the
-        newest intact older one."""
+        newest intact older one; ``replica``: with ``fault_tolerance.enabled``, this
+        process's replica group (``job.config`` is then the group's own)."""
         self.job = job
         self.plugins = plugins
         self.resume_from = resume_from
@@ -132,6 +150,7 @@ class Trainer:
             self.pipeline = pipeline.PipelineRun(job, model, stage_names, logits_loss)
         built, self.state = build_optimizer(job, plugins, model)
         self.optimizer = job.optimizer
+        self.replicas = self._join_replica_groups(replica)
         self.background = (
             BackgroundSaves(
                 job.device,
@@ -143,10 +162,37 @@ class Trainer:
         )
         self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
         dp_rank, dp_world = data_parallel_coordinates(job.mesh)
+        if replica is not None:  # each group reads its own share of every step's batch
+            dp_rank, dp_world = replica.index * dp_world + dp_rank, replica.count * dp_world
         self.data_ranks = dp_world
         self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
+
+    def _join_replica_groups(self, replica: ReplicaPlace | None):
+        """With ``fault_tolerance.enabled``, this group among the others (torchft)."""
+        job = self.job
+        if not job.config.fault_tolerance.enabled:
+            return None
+        if replica is None:
+            raise LaunchError(
+                "fault_tolerance.enabled = true: expected this process's replica group "
+                "(europa train --replica-group I)"
+            )
+        from europa.core.fault.groups import TorchftReplicaGroups
+
+        groups = TorchftReplicaGroups(
+            job.config, replica.index, job.rank, job.world_size,
+            lambda: replica_state(self.model, self.optimizer, self._trainer_state(0)),
+            self._heal,
+        )  # fmt: skip
+        job.state[REPLICA_GROUPS] = groups
+        return groups
+
+    def _heal(self, state: dict) -> None:
+        trainer = load_replica_state(self.model, self.optimizer, state)
+        self.scheduler.load_state_dict(trainer["scheduler"])
+        self.skipped.count = int(trainer["skipped_steps"])
 
     def _initialiser(self, model: torch.nn.Module):
         """Random (from the run seed), or the checkpoint of ``model.init_from`` on a fresh
@@ -268,28 +314,53 @@ class Trainer:
             job=self.job, model=self.model, max_norm=self.job.config.training.max_grad_norm
         )
 
+    def _average_over_replicas(self) -> None:
+        """Core's layouts: every gradient, averaged over the replica groups (a technique
+        that sums over replicas itself asks ``job.state[REPLICA_GROUPS]``)."""
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        self.replicas.average([g.to_local() if hasattr(g, "to_local") else g for g in grads])
+
     def step(self, step: int) -> dict[str, Any]:
+        """One step (with fault tolerance, the quorum's step, which a heal may have moved
+        past ``step``); its record says which (``"step"``, the steps done after it) and
+        whether it committed (without fault tolerance, always)."""
         started = time.perf_counter()
+        replicas = {}
+        if self.replicas is not None:
+            begun = self.replicas.start_step()
+            step = begun.step
+            replicas[REPLICAS] = begun.participants
+            if begun.healed_s is not None:
+                replicas[HEAL_S] = begun.healed_s
         self.progress.mark("step", step + 1)
         with ExitStack() as stack:
             for manager in self.plugins.hook.europa_step_context(job=self.job, step=step):
                 if manager is not None:
                     stack.enter_context(manager)
             loss = self._forward_backward(step)
+            if self.replicas is not None and not self.job.state.get(LAYOUT_SUMS_REPLICAS):
+                self._average_over_replicas()
             grad_norm = self._clip()
-            load = update_expert_bias(self.model, self.data_group)
+            counts = summed_counts(self.model, self.data_group, self.replicas)
+            lr = self.scheduler.get_last_lr()[0]
+            skipped = self.skipped.skips(step, grad_norm)
+            committed = self.replicas is None or self.replicas.commit()
+            load = move_expert_bias(*counts, move=committed)
             staged = {}
             if self.pipeline is not None:
                 load = self.pipeline.whole_model_load(load)
                 staged = self.pipeline.step_metrics()
-            lr = self.scheduler.get_last_lr()[0]
-            skipped = self.skipped.skips(step, grad_norm)
-            if not skipped:
+            if committed and not skipped:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
-            self.scheduler.step()
+            if committed:
+                self.scheduler.step()
         elapsed = time.perf_counter() - started
         imbalance = load.imbalance()
+        if self.replicas is not None:
+            replicas[COMMITTED] = committed
+            if committed and self._checks_state(step, replicas):
+                replicas[STATE_DIGEST] = self._state_digests()
         return {
             "step": step + 1,
             "loss": _mean_over_ranks(loss),
@@ -303,8 +374,22 @@ class Trainer:
             "expert_imbalance": imbalance,
             "expert_load": load.shares,
             **staged,
+            **replicas,
             **self.skipped.record(skipped),
         }
+
+    def _checks_state(self, step: int, replicas: dict) -> bool:
+        every = self.job.config.fault_tolerance.check_every
+        return HEAL_S in replicas or (every > 0 and (step + 1) % every == 0)
+
+    def _state_digests(self) -> list[str]:
+        """Every rank's digest of its state, on every rank of the group (a collective)."""
+        mine = state_digest(self.model, self.optimizer)
+        if not dist.is_initialized():
+            return [mine]
+        every: list[str] = [""] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        return every
 
     # -- validation -----------------------------------------------------------------------
 
@@ -363,8 +448,12 @@ class Trainer:
         stopped_by = None
         after_save: dict[str, float] = {}
         with StopRequest() as stop:
-            for step in range(start, cfg.training.steps):
-                record = self.step(step)
+            while done < cfg.training.steps:
+                record = self.step(done)
+                if not record.get(COMMITTED, True):
+                    job.emit_metrics(record)  # the step is retried with the same data
+                    continue
+                step = record["step"] - 1  # a heal may have moved the group on
                 self.plugins.hook.europa_after_step(job=job, step=step, metrics=record)
                 done = step + 1
                 first_loss = record["loss"] if first_loss is None else first_loss
@@ -387,6 +476,8 @@ class Trainer:
             if saved_at != done:
                 self.save(done)
             self.finish_saves()
+        if self.replicas is not None:
+            self.replicas.shutdown()
         self.progress.mark("finished", done)
         summary = {
             "steps": done,

@@ -1,0 +1,135 @@
+"""This rank's replica group among the others, through torchft.
+
+Design note. Each replica group is a job of its own; on every rank a torchft ``Manager``
+joins it to the others (its rank 0 hosts the group's manager server, which asks the
+Lighthouse for each step's quorum). A step runs:
+
+1. ``start_step``: the quorum, synchronously (``use_async_quorum=False``), so a group that
+   joins late or restarts is healed before its forward: torchft picks a healthy group at
+   the newest step, and each rank receives the state of the same rank there over the
+   reconfigured process group (torchft's ``PGTransport``), into its own tensors. Nothing
+   is read from disk. The step to run is the quorum's, not the group's own count.
+2. ``average``: every cross-replica sum, among the ranks ``k`` of the participating groups.
+3. ``commit``: the vote. The optimizer steps only if every group in the quorum finished
+   the step; otherwise the step is retried with the same data.
+
+torchft is imported here only: a run without ``fault_tolerance.enabled`` never needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from europa.core.errors import LaunchError
+
+REPLICA_ID = "europa_replica_{}"  # torchft reads the group's index from trailing digits
+
+
+@dataclass(frozen=True)
+class StepStart:
+    step: int  # the quorum's committed steps: the step this group runs next
+    participants: int
+    healed_s: float | None  # the seconds this group spent receiving a peer's state
+
+
+class TorchftReplicaGroups:
+    """``europa.spec.replicas.ReplicaGroups`` over torchft (see the design note)."""
+
+    def __init__(
+        self,
+        config,
+        group: int,
+        group_rank: int,
+        group_size: int,
+        state: Callable[[], dict],
+        load_state: Callable[[dict], None],
+    ) -> None:
+        try:
+            from torchft.checkpointing.pg_transport import PGTransport
+            from torchft.manager import Manager
+            from torchft.process_group import ProcessGroupGloo
+        except ImportError as err:
+            raise LaunchError(
+                f"fault_tolerance.enabled = true: torchft is not installed ({err}); "
+                "expected `pip install torchft`"
+            ) from None
+        ft = config.fault_tolerance
+        self.group = group
+        self._healed_s: float | None = None
+        self._load_state = load_state
+        step = timedelta(seconds=ft.step_timeout_s)
+        self._pg = ProcessGroupGloo(timeout=timedelta(seconds=ft.process_group_timeout_s))
+        transport = PGTransport(self._pg, timeout=step, device=torch.device("cpu"))
+        self.manager = Manager(
+            pg=self._pg,
+            load_state_dict=self._healing,
+            state_dict=state,
+            min_replica_size=ft.min_replicas,
+            use_async_quorum=False,
+            timeout=step,
+            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+            connect_timeout=step,
+            rank=group_rank,
+            world_size=group_size,
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=ft.lighthouse,
+            replica_id=REPLICA_ID.format(group),
+            hostname=advertised_host(ft.lighthouse),
+            checkpoint_transport=transport,
+            init_sync=True,
+        )
+
+    def _healing(self, state: dict) -> None:
+        started = time.perf_counter()
+        self._load_state(state)
+        self._healed_s = (self._healed_s or 0.0) + time.perf_counter() - started
+
+    def start_step(self) -> StepStart:
+        started = time.perf_counter()
+        self._healed_s = None
+        self.manager.start_quorum()
+        healed = None if self._healed_s is None else time.perf_counter() - started
+        return StepStart(self.manager.current_step(), self.participants(), healed)
+
+    def average(self, tensors: Sequence[torch.Tensor]) -> None:
+        """One collective per dtype: the tensors flattened into one buffer."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        for group in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in group])
+            self.manager.allreduce(flat).wait()
+            offset = 0
+            for t in group:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    def commit(self) -> bool:
+        return self.manager.should_commit()
+
+    @property
+    def writes_checkpoints(self) -> bool:
+        """One group of the quorum writes the checkpoints on disk: its first."""
+        return self.manager.participating_rank() == 0
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def advertised_host(lighthouse: str) -> str:
+    """The address other groups reach this group's manager at: loopback when the
+    Lighthouse is (one machine), else this host's name."""
+    import socket
+
+    local = ("127.0.0.1", "localhost", "[::1]")
+    return "127.0.0.1" if any(f"//{h}:" in lighthouse for h in local) else socket.gethostname()

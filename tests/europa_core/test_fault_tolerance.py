@@ -1,0 +1,148 @@
+"""Replica-level fault tolerance (``[fault_tolerance]``, torchft): replica groups on gloo
+over loopback, one killed mid-run and restarted, healed from a peer without the disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import _context, _free_port
+
+torchft = pytest.importorskip("torchft")
+
+STEPS = 40
+KILL_AT = 10
+
+
+def _group_rank(index: int, count: int, rank: int, ranks: int, port: int, run_dir: str,
+                overrides: list[str], plugins: list[str]) -> None:  # fmt: skip
+    """One rank of replica group ``index``: what ``europa train --replica-group`` runs."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(ranks), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(ranks))  # fmt: skip
+    import torch
+
+    torch.set_num_threads(1)
+    from europa.core.fault.state import ReplicaPlace, group_config
+    from europa.core.job import Job
+    from europa.core.launch.distributed import ProcessPlace, init_distributed
+    from europa.core.launch.prepare import prepare_run_dir
+    from europa.core.session import open_session
+    from europa.core.train.loop import Trainer
+
+    config, manager = open_session("tiny", overrides, plugins)
+    group = group_config(config)
+    if rank == 0:
+        prepare_run_dir(group, Path(run_dir), resume=False)
+    device, mesh = init_distributed(group.parallel, ProcessPlace(rank, ranks, rank, "torchrun"))
+    torch.distributed.barrier()
+    job = Job(config=group, run_dir=Path(run_dir), rank=rank, world_size=ranks,
+              local_rank=rank, device=device, mesh=mesh)  # fmt: skip
+    Trainer(job, manager, replica=ReplicaPlace(index, count)).run()
+    torch.distributed.destroy_process_group()
+
+
+class Group:
+    """The ranks of one replica group, each a process forked from the test's fork server."""
+
+    def __init__(self, index, count, ranks, run_dir: Path, overrides, plugins=()) -> None:
+        self.run_dir = run_dir
+        port = _free_port()
+        self.procs = [
+            _context().Process(target=_group_rank, args=(index, count, r, ranks, port,
+                                                         str(run_dir), overrides, list(plugins)))
+            for r in range(ranks)
+        ]  # fmt: skip
+        for proc in self.procs:
+            proc.start()
+
+    def records(self) -> list[dict]:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.is_file():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def kill_one(self) -> None:
+        os.kill(self.procs[-1].pid, signal.SIGKILL)
+
+    def join(self, timeout: float) -> list[int | None]:
+        deadline = time.monotonic() + timeout
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        codes = [proc.exitcode for proc in self.procs]
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        return codes
+
+
+@pytest.fixture
+def lighthouse():
+    from torchft._torchft import LighthouseServer
+
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=20_000,
+                              quorum_tick_ms=20, heartbeat_timeout_ms=1_000)  # fmt: skip
+    port = server.address().rsplit(":", 1)[1]
+    yield f"http://127.0.0.1:{port}"
+    server.shutdown()
+
+
+def _ft_overrides(lighthouse: str, groups: int) -> list[str]:
+    return [
+        "fault_tolerance.enabled=true",
+        f"parallel.dp_replicate={groups}",
+        f'fault_tolerance.lighthouse="{lighthouse}"',
+        "fault_tolerance.check_every=1",
+        "fault_tolerance.process_group_timeout_s=5",
+        "fault_tolerance.step_timeout_s=10",
+        "fault_tolerance.join_timeout_s=20",
+        "fault_tolerance.quorum_timeout_s=60",
+        f"training.steps={STEPS}",
+        "metrics.progress=false",
+    ]
+
+
+def _wait_for_step(group: Group, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(r["step"] >= step and r.get("committed") for r in group.records()):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{group.run_dir.name} did not reach step {step} within {timeout} s")
+
+
+def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_state(
+    tmp_path, lighthouse
+):
+    overrides = _ft_overrides(lighthouse, 3)
+    groups = [Group(i, 3, 1, tmp_path / f"group{i}", overrides) for i in range(3)]
+    _wait_for_step(groups[1], KILL_AT, timeout=120)
+    groups[1].kill_one()
+    assert groups[1].join(10) == [-signal.SIGKILL]
+    _wait_for_step(groups[0], KILL_AT + 5, timeout=120)  # the others step on without it
+    again = Group(1, 3, 1, tmp_path / "group1-restarted", overrides)
+    for group in (*groups[::2], again):
+        assert group.join(180) == [0], group.run_dir.name
+
+    survivors = [groups[0].records(), groups[2].records()]
+    healed = again.records()
+    for records in survivors:
+        committed = [r["step"] for r in records if r["committed"]]
+        assert committed == list(range(1, STEPS + 1))  # every step once, in order
+        retried = {r["step"] for r in records if not r["committed"]}
+        assert len(retried) <= 1, retried  # at most the step in flight when the group died
+    first = healed[0]
+    assert "heal_s" in first and first["step"] > KILL_AT + 5, first  # healed, not from step 0
+    assert [r["step"] for r in healed if r["committed"]] == list(range(first["step"], STEPS + 1))
+    # from the first step after healing, its state equals the others' bit for bit
+    digests = [{r["step"]: r["state_digest"] for r in rs if r["committed"]}
+               for rs in (*survivors, healed)]  # fmt: skip
+    for step in range(first["step"], STEPS + 1):
+        assert digests[0][step] == digests[1][step] == digests[2][step], step
+    replicas = [r["replicas"] for r in survivors[0] if r["committed"]]
+    assert replicas[0] == 3 and replicas[-1] == 3 and min(replicas) == 2
