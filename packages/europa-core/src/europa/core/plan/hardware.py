@@ -9,6 +9,10 @@ tensors brought back) and ``device_to_host`` (offloaded tensors and checkpoint s
 copied out). Each takes its own ``*_gbps`` and ``*_efficiency`` where the profile gives
 them, else ``host_device_gbps`` and ``host_device_efficiency`` (else ``link_efficiency``),
 so a profile with one figure for both ways plans as it always did.
+
+``failures_per_gpu_hour`` and ``restart_s`` are the machine's reliability and how long a
+restart takes; each has a default (the Llama 3 paper's failure rate; two minutes, an
+assumption) and goes into the plan's goodput (``europa.core.plan.goodput``).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pathlib import Path
 
 from europa.core.config import toml
 from europa.core.errors import ConfigError
+from europa.core.plan.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, RESTART_S
 from europa.spec.units import GIB
 
 _SHIPPED = "europa.core.plan.profiles"
@@ -62,6 +67,12 @@ class HardwareProfile:
     device_to_host_gbps: float | None = None
     host_to_device_efficiency: float | None = None
     device_to_host_efficiency: float | None = None
+    # Failures a GPU-hour, all causes (the job's MTBF: 1 / (this × its GPUs)); by default
+    # Llama 3's 419 interruptions in 54 days on 16,384 H100s (about one a 50,000 GPU-hours)
+    failures_per_gpu_hour: float = LLAMA3_FAILURES_PER_GPU_HOUR
+    # Seconds from a failure to the ranks (of the job, or of one replica group) running
+    # again, before any checkpoint read or heal; by default an assumption, two minutes
+    restart_s: float = RESTART_S
 
     def bandwidth(self, link: str, collective: str | None = None) -> float:
         """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device",
@@ -172,7 +183,7 @@ def _check_value(source: str, key: str, value) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected an integer >= 1")
     else:
-        positive = key not in ("device_reserved_gib", "host_memory_gib")
+        positive = key not in ("device_reserved_gib", "host_memory_gib", "restart_s")
         if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
             raise ConfigError(f"hardware {source!r}: {key} = {value!r}; expected a number >= 0")
         if positive and value == 0:
