@@ -1,9 +1,11 @@
 """Goodput under failures (``europa.core.plan.goodput``): its bounds, the Young–Daly
 interval against a numeric maximisation, fault tolerance against a full restart, one
-example by hand; the profile keys it reads."""
+example by hand; the profile keys it reads; and the figures a plan and ``europa plan``
+carry."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -11,7 +13,7 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from europa.core.errors import ConfigError
-from europa.core.plan import load_profile
+from europa.core.plan import load_profile, make_plan
 from europa.core.plan.goodput import (
     LLAMA3_FAILURES_PER_GPU_HOUR,
     estimate,
@@ -22,6 +24,8 @@ from europa.core.plan.goodput import (
     save_seconds,
     young_daly_interval,
 )
+from europa.core.plan.report import plan_json, plan_table
+from europa.core.session import open_session
 
 seconds = st.floats(0, 1e4)
 mtbfs = st.floats(1.0, 1e9)
@@ -225,3 +229,63 @@ def test_a_bad_failure_rate_or_restart_is_one_line(tmp_path, line, words):
     with pytest.raises(ConfigError) as err:
         load_profile(str(path))
     assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def _plan(sets, plugins=(), preset="debug", ranks=8, **profile):
+    config, manager = open_session(preset, list(sets), list(plugins))
+    hardware = dataclasses.replace(load_profile("gh200-jupiter"), **profile)
+    return make_plan(config, manager, hardware, ranks)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_plan_carries_its_goodput(mode):
+    sets = ["parallel.dp_replicate=2", "checkpoint.every=50", f'checkpoint.mode="{mode}"']
+    plan = _plan(sets, filesystem_gbps=2.0)
+    stage, jupiter = plan.checkpoint_stage_bytes, plan.hardware
+    assert plan.checkpoint_read_s == pytest.approx(stage * 4 / 2e9)  # a node's 4 ranks read
+    # the other group's same rank is 4 ranks on: another node
+    assert plan.heal_link == "inter_node"
+    assert plan.heal_s == pytest.approx(stage / jupiter.bandwidth("inter_node", "point_to_point"))
+    g = plan.goodput
+    assert g.mtbf_s == pytest.approx(3600 / (LLAMA3_FAILURES_PER_GPU_HOUR * 8))
+    save = plan.checkpoint_lost_s[mode]
+    lag = plan.checkpoint_write_s if mode == "async" else 0.0
+    recovery = 120.0 + plan.checkpoint_read_s + lag
+    interval = 50 * plan.step.step_s
+    assert g.without_ft == pytest.approx(goodput_without_ft(interval, save, recovery, g.mtbf_s))
+    group = 120.0 + plan.heal_s
+    assert g.with_ft == pytest.approx(
+        goodput_with_ft(interval, save, group, 2, plan.step.step_s, g.mtbf_s)
+    )
+    assert g.young_daly_s == young_daly_interval(
+        mode, plan.checkpoint_write_s, plan.checkpoint_stage_s, recovery, g.mtbf_s
+    )
+    assert g.without_ft_at_young_daly >= g.without_ft and g.with_ft >= g.without_ft
+    assert plan_json(plan)["goodput"] == g.as_dict()
+    assert plan_json(plan)["checkpoint"]["read_s"] == plan.checkpoint_read_s
+    text = plan_table(plan)
+    assert "goodput (predicted)" in text and "with fault tolerance" in text
+    assert f"{g.young_daly_steps:,}" in text
+
+
+def test_one_group_has_no_fault_tolerance_and_no_rate_no_interval():
+    plan = _plan(["checkpoint.every=0"])  # no filesystem_gbps, one group
+    g = plan.goodput
+    assert plan.checkpoint_read_s is None and g.young_daly_s is None
+    assert g.without_ft == 0.0 and g.with_ft is None and g.replicas == 1
+    text = plan_table(plan)
+    assert "with fault tolerance  " not in text
+    assert "fault tolerance needs replica groups" in text
+    assert "unknown" in text.split("goodput (predicted)")[1]
+
+
+def test_a_pipelined_plan_has_its_goodput_from_its_slowest_pipeline_rank():
+    sets = ["parallel.pp=2", "parallel.dp_replicate=2", "training.grad_accum_steps=2"]
+    plan = _plan([*sets, "checkpoint.every=5"], preset="tiny", filesystem_gbps=2.0)
+    ranks = plan.pipeline_rank_plans
+    assert plan.checkpoint_read_s == max(r.checkpoint_read_s for r in ranks) > 0
+    assert plan.heal_s == max(r.heal_s for r in ranks) > 0
+    g = plan.goodput
+    assert g.replicas == 2 and g.gpus == 8 and g.with_ft is not None
+    assert g.interval_s == pytest.approx(5 * plan.pipeline.step_s)
+    assert "goodput (predicted)" in plan_table(plan)

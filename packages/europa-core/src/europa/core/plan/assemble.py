@@ -12,6 +12,7 @@ from europa.core.launch.distributed import mesh_shape
 from europa.core.plan.activations import block_activations
 from europa.core.plan.builtin_layouts import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.checkpoint_cost import write_seconds
+from europa.core.plan.goodput import heal_seconds, read_seconds
 from europa.core.plan.hardware import DEVICE_TO_HOST, HardwareProfile
 from europa.core.plan.memory import (
     Activations,
@@ -25,7 +26,7 @@ from europa.core.plan.moments import peak
 from europa.core.plan.record import STAGING, Plan
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.timing import LAYOUT_OVERLAPPED, model_flops_per_token, step_time
-from europa.core.plan.traffic import step_traffic
+from europa.core.plan.traffic import step_traffic, strided_link
 from europa.spec.offload import HostOffload
 from europa.spec.plan_layout import Layout
 from europa.spec.plan_mapping import PlanMapping
@@ -183,6 +184,10 @@ def assemble(
         hardware.filesystem_gbps,
         config.checkpoint.max_write_mbps,
     )
+    # A restarted replica group heals from the same rank of another: groups are
+    # world / replicas ranks apart (dp_replicate is the outermost data axis).
+    heal_link = strided_link(mesh[0], world_size // mesh[0], per_node)
+    heal_s = heal_seconds(stage, hardware.bandwidth(heal_link, "point_to_point"))
     layers = scope.layers if scope is not None else model_cfg.n_layers
     per_token = model_flops_per_token(shapes, model_cfg, training.seq_len, layers)
     tokens_per_rank = tokens * training.grad_accum_steps
@@ -233,6 +238,9 @@ def assemble(
         checkpoint_write_s=write_s,
         checkpoint_stage_bytes=stage,
         checkpoint_stage_s=stage / hardware.bandwidth(DEVICE_TO_HOST),  # a copy out
+        checkpoint_read_s=read_seconds(stage, min(per_node, world_size), hardware.filesystem_gbps),
+        heal_s=heal_s,
+        heal_link=heal_link,
         host_budget_setting=offload.budget_setting if offload.budget_bytes_per_rank else "",
         plugins={k: v for k, v in plan.items() if k not in _CORE_KEYS},
     )

@@ -162,7 +162,13 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     whole_plan = whole.plan(
         plans[heaviest], pipeline, (with_overlap, without_overlap), sends[heaviest]
     )
-    return replace(whole_plan, pipeline_rank_plans=tuple(plans[r] for r in range(pp)))
+    reads = [p.checkpoint_read_s for p in plans.values()]  # every rank reads, heals at once
+    return replace(
+        whole_plan,
+        pipeline_rank_plans=tuple(plans[r] for r in range(pp)),
+        checkpoint_read_s=None if None in reads else max(reads),
+        heal_s=max(p.heal_s for p in plans.values()),
+    )
 
 
 def exposed_exchange_s(step: StepTime) -> float:

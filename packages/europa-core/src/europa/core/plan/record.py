@@ -8,6 +8,7 @@ from typing import Any
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ResourceError
 from europa.core.plan.checkpoint_cost import lost_per_save
+from europa.core.plan.goodput import Goodput, estimate
 from europa.core.plan.hardware import HardwareProfile
 from europa.core.plan.memory import Activations, MemoryModel, RankState
 from europa.core.plan.moments import Moment, peak
@@ -80,6 +81,13 @@ class Plan:
     # mode (its parameters and optimizer state as it holds them), and that copy's time.
     checkpoint_stage_bytes: int = 0
     checkpoint_stage_s: float = 0.0
+    # A full restart's read of the last checkpoint, each node reading its ranks' state (None:
+    # the profile has no filesystem_gbps), and, with replica groups, a restarted group's heal
+    # from a healthy one over heal_link (europa.core.plan.goodput); with pipeline stages, the
+    # slowest pipeline rank's
+    checkpoint_read_s: float | None = None
+    heal_s: float = 0.0
+    heal_link: str = ""
     host_budget_setting: str = ""
     plugins: dict[str, Any] = field(default_factory=dict)
     memory: MemoryModel | None = None  # recomputes the moments for any rank
@@ -138,6 +146,25 @@ class Plan:
             self.checkpoint_stage_s,
             self.config.checkpoint.every,
             self.step.step_s,
+        )
+
+    @property
+    def goodput(self) -> Goodput:
+        """The share of wall time that trains under the profile's failure rate, without and
+        with replica fault tolerance (a prediction: ``europa.core.plan.goodput``)."""
+        return estimate(
+            failures_per_gpu_hour=self.hardware.failures_per_gpu_hour,
+            gpus=self.world_size,
+            restart_s=self.hardware.restart_s,
+            read_s=self.checkpoint_read_s,
+            heal_s=self.heal_s,
+            heal_link=self.heal_link,
+            replicas=self.mesh[0],
+            mode=self.config.checkpoint.mode,
+            every=self.config.checkpoint.every,
+            step_s=self.step.step_s,
+            write_s=self.checkpoint_write_s,
+            staging_s=self.checkpoint_stage_s,
         )
 
     @property

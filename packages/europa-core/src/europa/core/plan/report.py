@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from europa.core.plan.record import PipelinePlan, Plan
@@ -87,7 +88,9 @@ def plan_json(plan: Plan) -> dict[str, Any]:
                 "seconds": plan.checkpoint_stage_s,
             },
             "lost_s": plan.checkpoint_lost_s,
+            "read_s": plan.checkpoint_read_s,
         },
+        "goodput": plan.goodput.as_dict(),
         "fits": plan.fits,
         "refusal": plan.refusal(),
         "plugins": plan.plugins,
@@ -234,6 +237,8 @@ def plan_table(plan: Plan) -> str:
         ),
         *_checkpoint_lost(plan),
         "",
+        *_goodput(plan),
+        "",
     ]
     refusal = plan.refusal()
     lines.append("verdict: fits" if refusal is None else f"verdict: does not fit: {refusal}")
@@ -272,6 +277,56 @@ def _checkpoint_lost(plan: Plan) -> list[str]:
         + unknown,
         f"    {label['async']:<19}{_seconds(lost['async']):>10}: {staging} + {rest}{unknown}",
     ]
+
+
+def _long_seconds(value: float | None) -> str:
+    """Seconds to three figures, whole seconds from 1,000 on (1,006 s, not 1.01e+03 s)."""
+    return f"{value:,.0f} s" if value is not None and value >= 1000 else _seconds(value)
+
+
+def _share(value: float | None) -> str:
+    """A percentage with the shortfall from 100 % to two figures (99.9986 %, not 100.00 %)."""
+    if value is None:
+        return "unknown"
+    short = 100 * (1 - value)
+    places = 2 if short <= 0 else min(4, max(2, 1 - math.floor(math.log10(short))))
+    return f"{100 * value:.{places}f} %"
+
+
+def _goodput(plan: Plan) -> list[str]:
+    """Goodput at checkpoint.every and at the Young–Daly interval, without and (replica
+    groups) with fault tolerance, and the figures they come from."""
+    g = plan.goodput
+    unknown = " (needs the profile's filesystem_gbps)" if g.read_s is None else ""
+    steps = "unknown" if g.young_daly_steps is None else f"{g.young_daly_steps:,}"
+    between = "whole run" if g.interval_s is None else _long_seconds(g.interval_s)
+    lines = [
+        _row("goodput (predicted)", "configured", "Young–Daly"),
+        _row("checkpoint.every (steps)", f"{g.every:,}" if g.every else "0 (end only)", steps),
+        _row("training between saves", between, _long_seconds(g.young_daly_s)),
+        _row("without fault tolerance", _share(g.without_ft), _share(g.without_ft_at_young_daly)),
+    ]
+    if g.replicas > 1:
+        lines.append(
+            _row("with fault tolerance", _share(g.with_ft), _share(g.with_ft_at_young_daly))
+        )
+        tolerant = (
+            f"; with it one of {g.replicas} replica groups restarts and heals from another in "
+            f"{g.heal_s:.3g} s over {g.heal_link} while the others step on"
+        )
+    else:
+        tolerant = "; fault tolerance needs replica groups (parallel.dp_replicate > 1)"
+    lines += [
+        f"  (a failure every {g.mtbf_s / 3600:,.1f} h: {g.failures_per_gpu_hour:.3g} a GPU-hour "
+        f"× {g.gpus:,} GPUs; a restart takes {g.restart_s:.3g} s)",
+        f"  (without fault tolerance every rank restarts and reads the checkpoint back, "
+        f"{_seconds(g.read_s)}{unknown}, then redoes the work since it{tolerant})",
+    ]
+    if not g.every:
+        lines.append(
+            "  (checkpoint.every = 0: without fault tolerance a failure loses the run so far)"
+        )
+    return lines
 
 
 def _count(n: int) -> str:
