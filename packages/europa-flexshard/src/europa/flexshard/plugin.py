@@ -66,6 +66,7 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     from europa.flexshard.planner import check_budget
     from europa.flexshard.process_groups import every_group, pipeline_group, process_groups
     from europa.spec.lanes import TWINS_MADE, lanes_wanted, make_twins
+    from europa.spec.replicas import LAYOUT_SUMS_REPLICAS
 
     table = job.config.section(NAME)
     bf16 = job.config.training.dtype == "bfloat16"
@@ -87,6 +88,7 @@ def europa_shard_model(job: RunningJob, model: torch.nn.Module) -> torch.nn.Modu
     check_budget(job, layout)
     layout.sum_copies_in_backward(job.config.training.grad_accum_steps)
     job.state[NAME] = layout
+    job.state[LAYOUT_SUMS_REPLICAS] = True  # over a fault-tolerant run's groups: in clipping
     job.claim(NAME, list(layout.slots))
     if table.log_plan and job.is_main:
         print(layout.describe(), file=sys.stderr, flush=True)
@@ -112,8 +114,11 @@ def europa_build_optimizer(job: RunningJob, model: torch.nn.Module) -> FlexShard
 @hookimpl
 def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: float) -> float:
     from europa.flexshard.process_groups import pipeline_group
+    from europa.spec.replicas import REPLICA_GROUPS
 
-    return _layout(job).clip_grad_norm_(max_norm, pipeline_group=pipeline_group(job))
+    return _layout(job).clip_grad_norm_(
+        max_norm, pipeline_group=pipeline_group(job), across=job.state.get(REPLICA_GROUPS)
+    )
 
 
 @hookimpl

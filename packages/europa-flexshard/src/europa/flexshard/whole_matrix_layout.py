@@ -13,6 +13,7 @@ clips them, and describes itself.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,9 @@ from europa.flexshard.ownership import OwnershipPlan, ParameterSpec
 from europa.flexshard.slots import Groups, Slot
 from europa.spec.init import InitMatrix
 from europa.spec.tags import mark_traffic
+
+if TYPE_CHECKING:
+    from europa.spec.replicas import ReplicaGroups
 
 
 class FlexShardLayout:
@@ -126,12 +130,18 @@ class FlexShardLayout:
             self.experts.reduce_copies([self.slots[n].local for n in self.experts.names])
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, *, pipeline_group=None) -> float:
+    def clip_grad_norm_(
+        self, max_norm: float, *, pipeline_group=None, across: ReplicaGroups | None = None
+    ) -> float:
         """Clip to a total 2-norm of ``max_norm`` (0: only measure); return the norm
         before clipping. Each matrix is counted once: on its owner. ``pipeline_group``:
         the ranks holding the model's other layers (pipeline stages), whose gradients
-        count too."""
+        count too. ``across``: the replica groups of a fault-tolerant run, over which the
+        gradients are averaged first (ownership is positional: this rank's share is the
+        same rank's in every group), once a step: the trainer clips once a step."""
         self.finish_gradients()
+        if across is not None:
+            across.average([s.local.grad for s in self.slots.values() if s.local.grad is not None])
         device = next(iter(self.slots.values())).local.device
         squares = torch.zeros(2, dtype=torch.float32, device=device)
         mark_traffic(squares, "gradient_norm")

@@ -57,9 +57,6 @@ def _check_fault_tolerance(config: EuropaConfig) -> None:
                    f"at most parallel.dp_replicate ({p.dp_replicate})")  # fmt: skip
     if p.pp > 1:
         raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
-    if "flexshard" in config.plugins.enabled:
-        raise fail("plugins.enabled", config.plugins.enabled,
-                   "no flexshard with fault_tolerance.enabled (not built yet)")  # fmt: skip
 
 
 def _check_pipeline(config: EuropaConfig) -> None:
