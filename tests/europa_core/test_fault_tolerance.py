@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import _context, _free_port
+from tests.conftest import EuropaProcess, _context, _free_port
 
 torchft = pytest.importorskip("torchft")
 
@@ -157,3 +157,70 @@ def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_sta
     # the others stepped on without it, and ended with every group again
     away = {r["replicas"] for r in survivors[0] if r["committed"] and r["step"] > KILL_AT + 1}
     assert groups - 1 in away and survivors[0][-1]["replicas"] == groups
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_europa_train_runs_every_group_beside_a_lighthouse_and_resumes_from_the_runs_saves(
+    tmp_path,
+):
+    """The embedded default: ``europa train`` alone starts a Lighthouse on loopback and
+    each group (``--replica-group I``); one group of each save's quorum writes it, into
+    the run's checkpoints, and every group resumes from there after a full stop."""
+    from europa.core.checkpoint.store import complete_checkpoints
+
+    run_dir = tmp_path / "run"
+    common = ["--run-dir", str(run_dir), "--set", "metrics.progress=false"]
+    first = ["train", "--nproc", "2", "--set", "fault_tolerance.enabled=true",
+             "--set", "parallel.dp_replicate=2", "--set", "training.steps=4",
+             "--set", "checkpoint.every=2", *common]  # fmt: skip
+    launcher = EuropaProcess(first, stderr=tmp_path / "first.err")
+    _, err = launcher.communicate(timeout=240)
+    assert launcher.returncode == 0, err
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [2, 4]
+    for index in range(2):  # each group's own files, its checkpoints the run's
+        group = run_dir / f"replica-{index}"
+        records = [json.loads(line) for line in (group / "metrics.jsonl").read_text().splitlines()]
+        # a group that starts after the other's first quorum heals from it
+        assert [r["step"] for r in records] == list(range(records[0]["step"], 5))
+        assert records[0]["step"] == 1 or "heal_s" in records[0]
+        assert all(r["committed"] for r in records) and records[-1]["replicas"] == 2
+        assert (group / "checkpoints").resolve() == (run_dir / "checkpoints").resolve()
+
+    resumed = EuropaProcess(["train", "--resume", "--set", "training.steps=6", *common],
+                            stderr=tmp_path / "resumed.err")  # fmt: skip
+    _, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert [step for step, _ in complete_checkpoints(run_dir)] == [4, 6]  # keep = 2
+    for index in range(2):
+        records = (run_dir / f"replica-{index}" / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in records][-2:] == [5, 6]
+
+
+def test_a_replica_group_outside_its_range_or_without_a_lighthouse_is_one_line(tmp_path):
+    from europa.core.errors import LaunchError
+    from europa.core.launch.launcher import train
+    from europa.core.session import open_session
+
+    config, plugins = open_session("tiny", ["fault_tolerance.enabled=true",
+                                            "parallel.dp_replicate=2"], [])  # fmt: skip
+    with pytest.raises(LaunchError, match=r"--replica-group = 2: expected 0 to 1"):
+        train(config, plugins, run_dir=tmp_path, replica_group=2)
+    with pytest.raises(LaunchError, match=r"expected fault_tolerance.lighthouse"):
+        train(config, plugins, run_dir=tmp_path, replica_group=0)
+    alone, plugins = open_session("tiny", ["fault_tolerance.enabled=true"], [])
+    with pytest.raises(LaunchError, match=r"parallel.dp_replicate = 1: expected 2 or more"):
+        train(alone, plugins, run_dir=tmp_path, replica_group=0)
+    plain, plugins = open_session("tiny", [], [])
+    with pytest.raises(LaunchError, match=r"--replica-group = 0: expected fault_tolerance"):
+        train(plain, plugins, run_dir=tmp_path, replica_group=0)
+
+
+def test_the_timeouts_must_climb_the_ladder():
+    from europa.core.errors import ConfigError
+    from europa.core.session import open_session
+
+    with pytest.raises(ConfigError, match=r"^fault_tolerance.join_timeout_s = 30.0: expected "
+                       r"more than fault_tolerance.step_timeout_s \(60.0\)$"):  # fmt: skip
+        open_session("tiny", ["fault_tolerance.enabled=true", "fault_tolerance.join_timeout_s=30"],
+                     [])  # fmt: skip

@@ -12,6 +12,7 @@ from europa.cli import (
     config_cmd,
     data_cmd,
     hf_cmd,
+    lighthouse_cmd,
     plan_cmd,
     plugins_cmd,
     train_cmd,
@@ -37,6 +38,7 @@ def build_app(manager: EuropaPluginManager) -> typer.Typer:
     hf_cmd.register(app, manager, config_app)
     data_cmd.register(app, manager)
     checkpoint_cmd.register(app)
+    lighthouse_cmd.register(app)
     manager.all_hooks.europa_register_commands(app=app)  # every installed plugin, enabled or not
     return app
 

@@ -59,6 +59,15 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         rdzv_endpoint: RdzvEndpointOpt = None,
         rdzv_timeout: RdzvTimeoutOpt = RDZV_TIMEOUT_SECONDS,
         max_restarts: MaxRestartsOpt = 0,
+        replica_group: Annotated[
+            int | None,
+            typer.Option(
+                "--replica-group",
+                min=0,
+                help="With fault_tolerance.enabled: train this replica group only, in "
+                "RUN_DIR/replica-I (one launch per group, e.g. a Slurm job step).",
+            ),
+        ] = None,
     ) -> None:
         """Train a model: the tiny preset on 2 local CPU processes by default."""
         if resume_from_older and not resume:
@@ -85,6 +94,7 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
             nproc=nproc,
             from_older=resume_from_older,
             nodes=nodes,
+            replica_group=replica_group,
         )
         print(_finished(done), file=sys.stderr)
 

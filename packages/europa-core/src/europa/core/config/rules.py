@@ -49,12 +49,6 @@ def _check_fault_tolerance(config: EuropaConfig) -> None:
         if value <= below:
             raise fail(f"fault_tolerance.{higher}", value,
                        f"more than fault_tolerance.{lower} ({below})")  # fmt: skip
-    if p.dp_replicate < 2:
-        raise fail("parallel.dp_replicate", p.dp_replicate,
-                   "2 or more replica groups with fault_tolerance.enabled")  # fmt: skip
-    if ft.min_replicas > p.dp_replicate:
-        raise fail("fault_tolerance.min_replicas", ft.min_replicas,
-                   f"at most parallel.dp_replicate ({p.dp_replicate})")  # fmt: skip
     if p.pp > 1:
         raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
 

@@ -1,3 +1,17 @@
 """Replica-level fault tolerance (``[fault_tolerance]``): replica groups that train as jobs
-of their own and meet through torchft (``groups``), and the Lighthouse that forms their
-quorums (``lighthouse``)."""
+of their own and meet through torchft (``groups``), how they are launched and the
+Lighthouse that forms their quorums (``launch``), and what a healing group receives
+(``state``)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+
+def quiet_torchft() -> None:
+    """torchft's Rust side logs every quorum and commit at INFO, and its manager warns at
+    each reconfiguration that a CUDA flight recorder is missing; keep their warnings and
+    errors. Before torchft is imported: its Rust logger reads RUST_LOG once."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    logging.getLogger("torchft.manager").setLevel(logging.ERROR)

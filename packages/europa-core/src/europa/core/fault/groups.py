@@ -50,6 +50,9 @@ class TorchftReplicaGroups:
         state: Callable[[], dict],
         load_state: Callable[[dict], None],
     ) -> None:
+        from europa.core.fault import quiet_torchft
+
+        quiet_torchft()
         try:
             from torchft.checkpointing.pg_transport import PGTransport
             from torchft.manager import Manager
@@ -64,6 +67,7 @@ class TorchftReplicaGroups:
         self._healed_s: float | None = None
         self._load_state = load_state
         step = timedelta(seconds=ft.step_timeout_s)
+        store = group_store_address()
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=ft.process_group_timeout_s))
         transport = PGTransport(self._pg, timeout=step, device=torch.device("cpu"))
         self.manager = Manager(
@@ -77,8 +81,8 @@ class TorchftReplicaGroups:
             connect_timeout=step,
             rank=group_rank,
             world_size=group_size,
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
+            store_addr=store[0],
+            store_port=store[1],
             lighthouse_addr=ft.lighthouse,
             replica_id=REPLICA_ID.format(group),
             hostname=advertised_host(ft.lighthouse),
@@ -124,6 +128,19 @@ class TorchftReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def group_store_address() -> tuple[str, int]:
+    """The group's TCP store, where torchft's manager server leaves its address: the one
+    the group's launcher named, else the one this process group started on."""
+    if "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    while not hasattr(store, "host"):  # a PrefixStore around the TCP store
+        store = store.underlying_store
+    return store.host, store.port
 
 
 def advertised_host(lighthouse: str) -> str:

@@ -76,13 +76,16 @@ def preflight(
     resume_point: tuple[int, Path] | None = None,
     run_dir: Path | None = None,
     local_ranks: int | None = None,
+    replicas: int = 1,
 ) -> None:
     """Fail in the launching process, with one line, on anything a worker would hit later.
     ``resume_point``: the checkpoint (step, path) a resumed run continues from.
 
     With ``run_dir``, also open the data as the workers will, preparing text into the run
     directory's cache (a directory holding only that cache still counts as new).
-    ``local_ranks`` (default: all of them) is how many of the ranks share this machine."""
+    ``local_ranks`` (default: all of them) is how many of the ranks share this machine.
+    ``replicas``: the replica groups of a fault-tolerant run, each ``world_size`` ranks
+    (``config`` is a group's)."""
     import torch
 
     mesh_shape(config.parallel, world_size)  # axes the ranks cannot hold: one line
@@ -109,7 +112,7 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
-        check_global_batch(path, config.training, world_size // config.parallel.pp)
+        check_global_batch(path, config.training, replicas * world_size // config.parallel.pp)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec
@@ -129,9 +132,57 @@ def train(
     nproc: int | None = None,
     from_older: bool = False,
     nodes: Nodes | None = None,
+    replica_group: int | None = None,
 ) -> Path:
     """Run ``europa train``; returns the run directory. ``from_older``: on resume, fall
-    back to the newest intact checkpoint when newer ones are damaged."""
+    back to the newest intact checkpoint when newer ones are damaged; ``replica_group``:
+    with ``fault_tolerance.enabled``, train that group only (``europa.core.fault.launch``)."""
+    launch = dict(run_dir=run_dir, resume=resume, nproc=nproc, from_older=from_older,
+                  nodes=nodes)  # fmt: skip
+    if config.fault_tolerance.enabled:
+        return _train_fault_tolerant(config, plugins, replica_group, **launch)
+    if replica_group is not None:
+        raise LaunchError(
+            f"--replica-group = {replica_group}: expected fault_tolerance.enabled = true"
+        )
+    return _train_one_job(config, plugins, **launch)
+
+
+def _train_fault_tolerant(config, plugins, replica_group, *, run_dir, resume, nproc,
+                          from_older, nodes) -> Path:  # fmt: skip
+    """One replica group (``--replica-group``), or every group on this machine."""
+    from europa.core.fault import launch as ft
+    from europa.core.fault.state import group_config
+
+    if replica_group is not None:
+        return ft.train_group(config, plugins, replica_group, run_dir, _train_one_job,
+                              resume=resume, nproc=nproc, from_older=from_older,
+                              nodes=nodes)  # fmt: skip
+    nodes = nodes or Nodes()
+    place = launcher_place(nproc, nodes)
+    if place is not None or nodes.several:
+        raise LaunchError(
+            "fault_tolerance.enabled: expected --replica-group I with each group's launch "
+            "(torchrun, srun or --nnodes), or europa train alone on one machine"
+        )
+    replicas = ft.check_replicated(config)
+    per_node = nproc if nproc is not None else config.parallel.nproc
+    run_dir = run_dir or default_run_dir(config)
+    with RunDirLock.hold(run_dir) as lock:  # for every group: the run directory is one run's
+        with _undone_on_bad_input(run_dir, lock):
+            point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
+            preflight(group_config(config), plugins, max(1, per_node // replicas), point,
+                      run_dir, replicas=replicas)  # fmt: skip
+        prepare_run_dir(config, run_dir, resume=resume, checked=True)
+        ft.train_groups_here(config, run_dir, resume=resume, nproc=per_node,
+                             max_restarts=nodes.max_restarts)  # fmt: skip
+    return run_dir
+
+
+def _train_one_job(config, plugins, *, run_dir, resume, nproc, from_older, nodes,
+                   replicas: int = 1) -> Path:  # fmt: skip
+    """One job: this process, or this node's workers. ``replicas``: the groups of a
+    fault-tolerant run, of which this job is one."""
     nodes = nodes or Nodes()
     nodes.check()
     place = launcher_place(nproc, nodes)
@@ -151,7 +202,7 @@ def train(
         point = None
         if resume:
             point = checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
-        preflight(config, plugins, world, point, None, local_ranks=per_node)
+        preflight(config, plugins, world, point, None, local_ranks=per_node, replicas=replicas)
         _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
         return run_dir
     # First, before anything is read or written there: no other training uses it.
@@ -159,7 +210,8 @@ def train(
         with _undone_on_bad_input(run_dir, lock):
             # before preflight writes its data cache there; the one choice of the checkpoint
             point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
-            preflight(config, plugins, world, point, run_dir, local_ranks=per_node)
+            preflight(config, plugins, world, point, run_dir, local_ranks=per_node,
+                      replicas=replicas)  # fmt: skip
         prepare_run_dir(config, run_dir, resume=resume, checked=True)
         _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
     return run_dir

@@ -26,12 +26,20 @@ def check_run_dir(
     check_usable(run_dir)
     if resume:
         return checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
-    if run_dir.exists() and any(p.name not in (CACHE, LOCK_FILE) for p in run_dir.iterdir()):
+    if run_dir.exists() and any(_holds_a_run(p) for p in run_dir.iterdir()):
         raise ConfigError(
             f"--run-dir = {str(run_dir)!r}: already holds a run; expected a new or empty "
             "directory, or --resume to continue it"
         )
     return None
+
+
+def _holds_a_run(entry: Path) -> bool:
+    """Anything but the data cache, the lock and an empty checkpoints folder (a replica
+    group's, linked to its run's before the run's first save) is an earlier run's."""
+    if entry.name in (CACHE, LOCK_FILE):
+        return False
+    return not (entry.name == "checkpoints" and entry.is_dir() and not any(entry.iterdir()))
 
 
 def check_usable(run_dir: Path) -> None:

@@ -23,6 +23,7 @@ from europa.core.checkpoint.global_batch import KEY as GLOBAL_BATCH
 from europa.core.checkpoint.global_batch import check_global_batch, global_batch
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import DamagedCheckpoint, LaunchError
+from europa.core.fault.launch import replica_from_environment
 from europa.core.fault.state import (
     ReplicaPlace,
     load_replica_state,
@@ -261,6 +262,8 @@ class Trainer:
     def save(self, step: int) -> dict[str, float]:
         """Checkpoint ``step``; returns the seconds training waited for it: the whole
         write (``"sync"``), or the staging copy and any wait for the save before it."""
+        if self.replicas is not None and not self.replicas.writes_checkpoints:
+            return {}  # another group of the quorum writes it, into the run's checkpoints
         self.progress.mark("saving", step)
         cfg = self.job.config.checkpoint
         record = {GLOBAL_BATCH: global_batch(self.job.config.training, self.data_ranks)}
@@ -542,8 +545,9 @@ def run_training(
             warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype")
             with reporting_faults(run_dir, place.rank) as progress:
                 trainer = Trainer(
-                    job, plugins, resume_from, from_older=from_older, progress=progress
-                )
+                    job, plugins, resume_from, from_older=from_older, progress=progress,
+                    replica=replica_from_environment() if config.fault_tolerance.enabled else None,
+                )  # fmt: skip
                 return trainer.run()
     except BaseException as err:
         error = err
