@@ -98,11 +98,13 @@ def _ft_overrides(lighthouse: str, groups: int) -> list[str]:
         f"parallel.dp_replicate={groups}",
         f'fault_tolerance.lighthouse="{lighthouse}"',
         "fault_tolerance.check_every=1",
-        "fault_tolerance.process_group_timeout_s=5",
-        "fault_tolerance.step_timeout_s=10",
+        "fault_tolerance.process_group_timeout_s=2",  # a dead peer fails a step this soon
+        "fault_tolerance.step_timeout_s=5",
         "fault_tolerance.join_timeout_s=20",
         "fault_tolerance.quorum_timeout_s=60",
         f"training.steps={STEPS}",
+        "training.batch_size=2",  # small steps: the test is about the groups, not the model
+        "training.seq_len=32",
         "metrics.progress=false",
     ]
 
@@ -193,8 +195,11 @@ def test_europa_train_runs_every_group_beside_a_lighthouse_and_resumes_from_the_
     assert resumed.returncode == 0, err
     assert [step for step, _ in complete_checkpoints(run_dir)] == [4, 6]  # keep = 2
     for index in range(2):
-        records = (run_dir / f"replica-{index}" / "metrics.jsonl").read_text().splitlines()
-        assert [json.loads(line)["step"] for line in records][-2:] == [5, 6]
+        lines = (run_dir / f"replica-{index}" / "metrics.jsonl").read_text().splitlines()
+        resumed = [r for r in map(json.loads, lines) if r["step"] > 4]
+        # from the save of step 4 on disk, or healed from the group that read it
+        assert [r["step"] for r in resumed] == list(range(resumed[0]["step"], 7))
+        assert resumed[0]["step"] == 5 or "heal_s" in resumed[0], resumed[0]
 
 
 def test_a_replica_group_outside_its_range_or_without_a_lighthouse_is_one_line(tmp_path):

@@ -63,6 +63,14 @@ def step_dir(run_dir: Path, step: int) -> Path:
     return run_dir / CHECKPOINTS / f"step-{step:08d}"
 
 
+def checkpoint_step(path: Path) -> int:
+    """The step of the checkpoint at ``path`` (``.../checkpoints/step-N``)."""
+    match = _STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{str(path)!r}: expected a checkpoint folder named step-NNNNNNNN")
+    return int(match.group(1))
+
+
 def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     """Finished checkpoints, oldest first."""
     root = run_dir / CHECKPOINTS

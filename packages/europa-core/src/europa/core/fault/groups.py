@@ -8,7 +8,10 @@ Lighthouse for each step's quorum). A step runs:
    joins late or restarts is healed before its forward: torchft picks a healthy group at
    the newest step, and each rank receives the state of the same rank there over the
    reconfigured process group (torchft's ``PGTransport``), into its own tensors. Nothing
-   is read from disk. The step to run is the quorum's, not the group's own count.
+   is read from disk. The step to run is the quorum's, not the group's own count. A group
+   that was to resume from a checkpoint (``--resume``, or a restart by ``--max-restarts``)
+   reads it only when the first quorum heals it from no one: every group had stopped, and
+   each reads the same save (``continue_from``).
 2. ``average``: every cross-replica sum, among the ranks ``k`` of the participating groups.
 3. ``commit``: the vote. The optimizer steps only if every group in the quorum finished
    the step; otherwise the step is retried with the same data.
@@ -101,6 +104,13 @@ class TorchftReplicaGroups:
         self.manager.start_quorum()
         healed = None if self._healed_s is None else time.perf_counter() - started
         return StepStart(self.manager.current_step(), self.participants(), healed)
+
+    def continue_from(self, step: int) -> None:
+        """This group's committed steps are ``step`` (it loaded the checkpoint of that step
+        from disk: no group was ahead to heal it)."""
+        self.manager.load_state_dict(
+            {"step": step, "batches_committed": self.manager.batches_committed()}
+        )
 
     def average(self, tensors: Sequence[torch.Tensor]) -> None:
         """One collective per dtype: the tensors flattened into one buffer."""

@@ -152,6 +152,7 @@ class Trainer:
         built, self.state = build_optimizer(job, plugins, model)
         self.optimizer = job.optimizer
         self.replicas = self._join_replica_groups(replica)
+        self._from_disk_unless_healed = False
         self.background = (
             BackgroundSaves(
                 job.device,
@@ -332,6 +333,11 @@ class Trainer:
         if self.replicas is not None:
             begun = self.replicas.start_step()
             step = begun.step
+            if self._from_disk_unless_healed:
+                self._from_disk_unless_healed = False
+                if begun.healed_s is None:  # every group (re)started: the run's last save
+                    step = self.restore()
+                    self.replicas.continue_from(step)
             replicas[REPLICAS] = begun.participants
             if begun.healed_s is not None:
                 replicas[HEAL_S] = begun.healed_s
@@ -432,7 +438,12 @@ class Trainer:
 
     def run(self) -> dict[str, Any]:
         job, cfg = self.job, self.job.config
-        start = self.restore() if self.resume else 0
+        start = 0
+        if self.resume and self.replicas is None:
+            start = self.restore()
+        elif self.resume:  # read after the first quorum, unless a peer heals this group
+            self._from_disk_unless_healed = True
+            start = checkpoint.checkpoint_step(self.resume_from)
         if job.is_main:
             metrics.truncate_after(job.run_dir, start)
             sink = metrics.MetricsSink(
