@@ -10,10 +10,10 @@ only where a planned expert stack is shaped (``europa.flexshard.experts``).
 
 from __future__ import annotations
 
-import copy
 import functools
 import itertools
 import math
+import pickle
 
 from europa.flexshard.config import NAME
 from europa.flexshard.errors import FlexShardError
@@ -89,7 +89,14 @@ def owned_layout(shapes, shard_ranks: int, ep: int, muon: bool, itemsize: int):
     the costly part of a plan (a loop over every rank for every matrix), so ``europa plan
     --search`` reuses it across the layouts that share it; callers get their own copy."""
     layout, summary, moe_layers = _owned_layout(shapes, shard_ranks, ep, muon, itemsize)
-    return copy.deepcopy(layout), copy.deepcopy(summary), moe_layers
+    return _copied(layout), _copied(summary), moe_layers
+
+
+def _copied(value):
+    """A deep copy of plain data (dicts, lists, numbers): through pickle, several times
+    faster than ``copy.deepcopy``, which a search of ~2,000 plans spends a third of its
+    time in."""
+    return pickle.loads(pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 @functools.lru_cache(maxsize=32)

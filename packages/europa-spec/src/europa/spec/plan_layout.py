@@ -181,6 +181,8 @@ def _checker(option: Any) -> Callable[[Any], bool]:
     origin = typing.get_origin(option)
     if origin is list:
         (item,) = typing.get_args(option)
+        if item is int:  # the lists of a value per rank: their types, in C, not per item
+            return lambda value: isinstance(value, list | tuple) and set(map(type, value)) <= {int}
         each = _checker(item)
         return lambda value: isinstance(value, list | tuple) and all(map(each, value))
     if origin is dict:

@@ -71,7 +71,10 @@ def group_run_dir(run_dir: Path, index: int) -> Path:
         (run_dir / shared).mkdir(exist_ok=True)
         link = group / shared
         if not link.is_symlink():
-            link.symlink_to(Path("..") / shared, target_is_directory=True)
+            try:
+                link.symlink_to(Path("..") / shared, target_is_directory=True)
+            except FileExistsError:  # another node of the group made it first
+                pass
     return group
 
 
