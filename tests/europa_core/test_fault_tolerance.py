@@ -189,6 +189,14 @@ def test_europa_train_runs_every_group_beside_a_lighthouse_and_resumes_from_the_
         assert all(r["committed"] for r in records) and records[-1]["replicas"] == 2
         assert (group / "checkpoints").resolve() == (run_dir / "checkpoints").resolve()
 
+    # europa report RUN_DIR draws every group: the groups in each quorum, and any heal
+    from europa.report.charts import all_charts
+    from europa.report.runs import load_runs
+
+    charts = {chart.id: chart for chart in all_charts(load_runs([run_dir]))}
+    drawn = [trace["name"] for trace in charts["replicas"].figure["data"]]
+    assert drawn == ["run/replica-0", "run/replica-1"]
+
     resumed = EuropaProcess(["train", "--resume", "--set", "training.steps=6", *common],
                             stderr=tmp_path / "resumed.err")  # fmt: skip
     _, err = resumed.communicate(timeout=240)

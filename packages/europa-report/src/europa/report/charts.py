@@ -17,6 +17,7 @@ TRAINING = "Training"
 VALIDATION = "Validation"
 SPEED = "Speed and memory"
 EXPERTS = "Expert load"
+REPLICAS = "Replica groups"
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ def all_charts(runs: list[RunData]) -> list[Chart]:
         *_validation(runs),
         *_speed_and_memory(runs),
         *_expert_load(runs),
+        *_replica_groups(runs),
         *_plugins(runs),
     ]
     return [chart for chart in charts if chart.figure["data"]]
@@ -142,6 +144,19 @@ def _speed_and_memory(runs: list[RunData]) -> list[Chart]:
         _per_run(runs, "step_time_s", SPEED, "Step time", STEP, _key("seconds", "step_time_s")),
         _per_run(runs, "memory_peak_bytes", SPEED, memory, STEP,
                  _key("MiB", "memory_peak_bytes"), scale=MIB),
+    ]  # fmt: skip
+
+
+def _replica_groups(runs: list[RunData]) -> list[Chart]:
+    """A fault-tolerant run: the groups in each step's quorum, and each heal's seconds."""
+    heals = _per_run(runs, "heal_s", REPLICAS, "Heals: seconds receiving a peer's state", STEP,
+                     _key("seconds", metrics.HEAL_S))  # fmt: skip
+    for trace in heals.figure["data"]:
+        trace["mode"] = "markers"  # a heal is one step, not a curve
+    return [
+        _per_run(runs, "replicas", REPLICAS, "Replica groups taking part", STEP,
+                 _key("groups", metrics.REPLICAS)),
+        heals,
     ]  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from europa.report import series
 from europa.report.charts import Chart, all_charts
 from europa.report.errors import ReportError
-from europa.report.runs import RunData, label_runs, load_run
+from europa.report.runs import RunData, load_runs
 
 DEFAULT_NAME = "report.html"
 CHARTS_ID = "europa-charts"
@@ -21,8 +21,7 @@ CHARTS_ID = "europa-charts"
 
 def write_report(run_dirs: list[Path], out: Path | None = None) -> Path:
     """Read each run directory, write the page (``RUN_DIR/report.html`` by default)."""
-    runs = [load_run(path) for path in run_dirs]
-    label_runs(runs)
+    runs = load_runs(run_dirs)
     out = out if out is not None else run_dirs[0] / DEFAULT_NAME
     if out.is_dir():
         raise ReportError(f"--out = {str(out)!r}: is a directory; expected a file name")

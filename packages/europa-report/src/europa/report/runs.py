@@ -12,6 +12,7 @@ from europa.report.errors import ReportError
 from europa.spec.run_files import CONFIG_FILE, JOB_FILE, METRICS_FILE, SUMMARY_FILE
 
 EXPECTED = "expected a run directory written by `europa train`"
+REPLICA_GROUPS = "replica-[0-9]*"  # a fault-tolerant run's groups (europa.core.fault.launch)
 
 
 @dataclass
@@ -55,6 +56,29 @@ def load_run(path: Path) -> RunData:
     job = _read_json(path / JOB_FILE, notes)
     summary = _read_json(path / SUMMARY_FILE, notes)
     return RunData(path, path.name or str(path), records, config, config_text, job, summary, notes)
+
+
+def run_paths(path: Path) -> list[Path]:
+    """The run directories ``path`` holds: itself, or, for a fault-tolerant run (no
+    metrics of its own), each replica group's ``replica-I`` folder, in group order."""
+    if (path / METRICS_FILE).is_file() or not path.is_dir():
+        return [path]
+    groups = [p for p in path.glob(REPLICA_GROUPS) if (p / METRICS_FILE).is_file()]
+    return sorted(groups, key=lambda p: int(p.name.rpartition("-")[2])) or [path]
+
+
+def load_runs(paths: list[Path]) -> list[RunData]:
+    """Every run of ``paths`` (a fault-tolerant run's groups each a run, named
+    ``RUN/replica-I``), labelled apart."""
+    runs = []
+    for given in paths:
+        for path in run_paths(given):
+            run = load_run(path)
+            if path != given:
+                run.label = f"{given.name}/{path.name}"
+            runs.append(run)
+    label_runs(runs)
+    return runs
 
 
 def read_records(path: Path) -> list[dict[str, Any]]:

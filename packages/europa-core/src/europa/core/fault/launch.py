@@ -20,6 +20,7 @@ once.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -71,10 +72,8 @@ def group_run_dir(run_dir: Path, index: int) -> Path:
         (run_dir / shared).mkdir(exist_ok=True)
         link = group / shared
         if not link.is_symlink():
-            try:
+            with contextlib.suppress(FileExistsError):  # another node of the group made it
                 link.symlink_to(Path("..") / shared, target_is_directory=True)
-            except FileExistsError:  # another node of the group made it first
-                pass
     return group
 
 
