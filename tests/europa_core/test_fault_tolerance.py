@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import EuropaProcess, _context, _free_port
+from tests.conftest import EuropaProcess, _context, _free_port, run_ranks
 
 torchft = pytest.importorskip("torchft")
 
@@ -45,6 +45,23 @@ def _group_rank(index: int, count: int, rank: int, ranks: int, port: int, run_di
               local_rank=rank, device=device, mesh=mesh)  # fmt: skip
     Trainer(job, manager, replica=ReplicaPlace(index, count)).run()
     torch.distributed.destroy_process_group()
+
+
+def _digest_of_save(rank: int, world: int, run_dir: str, step: int, groups: int) -> list[str]:
+    """Resume a run of ``world`` rank(s) from the fault-tolerant run's save of ``step``
+    (the same global batch: each group's sequences as micro-batches) and digest its state."""
+    from europa.core.session import open_session
+    from tests.trainer_runs import rank_trainer
+
+    overrides = ["training.batch_size=2", "training.seq_len=32",
+                 f"training.grad_accum_steps={groups}", "metrics.progress=false"]  # fmt: skip
+    config, plugins = open_session("tiny", overrides, [])
+    save = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
+    trainer = rank_trainer(rank, world, config, plugins, Path(run_dir), save)
+    assert trainer.restore() == step
+    from europa.core.fault.state import state_digest
+
+    return [state_digest(trainer.model, trainer.optimizer)]
 
 
 class Group:
@@ -126,7 +143,8 @@ def _wait_for_step(group: Group, step: int, timeout: float) -> None:
 def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_state(
     tmp_path, lighthouse, groups, ranks, plugins, extra
 ):
-    overrides = [*_ft_overrides(lighthouse, groups), *extra]
+    saves = ["checkpoint.every=5", "checkpoint.keep=0"]
+    overrides = [*_ft_overrides(lighthouse, groups), *saves, *extra]
     started = [Group(i, groups, ranks, tmp_path / f"group{i}", overrides, plugins)
                for i in range(groups)]  # fmt: skip
     victim, others = started[1], [g for i, g in enumerate(started) if i != 1]
@@ -156,6 +174,14 @@ def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_sta
     for step in range(first["step"], STEPS + 1):
         assert all(d[step] == digests[0][step] for d in digests), step
         assert len(digests[0][step]) == ranks
+    if plugins == []:  # a save written while the group was away holds the committed state
+        away_steps = [r["step"] for r in survivors[0] if r["committed"] and r["replicas"] < groups]
+        saved = next(step for step in away_steps if step % 5 == 0)
+        writer = next(
+            g for g in others if (g.run_dir / "checkpoints" / f"step-{saved:08d}").is_dir()
+        )
+        loaded = run_ranks(_digest_of_save, 1, str(writer.run_dir), saved, groups)[0]
+        assert loaded == digests[0][saved], saved
     # the others stepped on without it, and ended with every group again
     away = {r["replicas"] for r in survivors[0] if r["committed"] and r["step"] > KILL_AT + 1}
     assert groups - 1 in away and survivors[0][-1]["replicas"] == groups
