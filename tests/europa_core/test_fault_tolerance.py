@@ -3,6 +3,7 @@ over loopback, one killed mid-run and restarted, healed from a peer without the 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import signal
@@ -182,6 +183,12 @@ def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_sta
         )
         loaded = run_ranks(_digest_of_save, 1, str(writer.run_dir), saved, groups)[0]
         assert loaded == digests[0][saved], saved
+    # each step trained the sequences of the groups that took part (2 × 32 tokens a rank)
+    for records in survivors:
+        done = [r for r in records if r["committed"]]
+        for before, after in itertools.pairwise(done):
+            assert after["tokens_seen"] - before["tokens_seen"] == 64 * ranks * after["replicas"]
+    assert healed[-1]["tokens_seen"] == survivors[0][-1]["tokens_seen"]
     # the others stepped on without it, and ended with every group again
     away = {r["replicas"] for r in survivors[0] if r["committed"] and r["step"] > KILL_AT + 1}
     assert groups - 1 in away and survivors[0][-1]["replicas"] == groups

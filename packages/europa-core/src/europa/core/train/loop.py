@@ -152,7 +152,12 @@ class Trainer:
         built, self.state = build_optimizer(job, plugins, model)
         self.optimizer = job.optimizer
         self.replicas = self._join_replica_groups(replica)
+        self.replica_count = replica.count if replica is not None else 1
         self._from_disk_unless_healed = False
+        # Tokens trained so far; None: as many as full steps before this one would hold
+        # (a fresh start, a resume from disk). With fault tolerance a step trains only its
+        # participating groups' sequences, and a heal brings the peer's count.
+        self.tokens_seen: int | None = None
         self.background = (
             BackgroundSaves(
                 job.device,
@@ -185,16 +190,20 @@ class Trainer:
 
         groups = TorchftReplicaGroups(
             job.config, replica.index, job.rank, job.world_size,
-            lambda: replica_state(self.model, self.optimizer, self._trainer_state(0)),
+            lambda: replica_state(self.model, self.optimizer, self._heal_trainer_state()),
             self._heal,
         )  # fmt: skip
         job.state[REPLICA_GROUPS] = groups
         return groups
 
+    def _heal_trainer_state(self) -> dict[str, Any]:
+        return {**self._trainer_state(0), "tokens_seen": self.tokens_seen}
+
     def _heal(self, state: dict) -> None:
         trainer = load_replica_state(self.model, self.optimizer, state)
         self.scheduler.load_state_dict(trainer["scheduler"])
         self.skipped.count = int(trainer["skipped_steps"])
+        self.tokens_seen = trainer["tokens_seen"]
 
     def _initialiser(self, model: torch.nn.Module):
         """Random (from the run seed), or the checkpoint of ``model.init_from`` on a fresh
@@ -366,6 +375,13 @@ class Trainer:
                 self.scheduler.step()
         elapsed = time.perf_counter() - started
         imbalance = load.imbalance()
+        tokens = self.batches.tokens_per_step
+        if self.replicas is not None:  # the groups that took part read their sequences
+            tokens = tokens * replicas[REPLICAS] // self.replica_count
+        if self.tokens_seen is None:
+            self.tokens_seen = self.batches.tokens_per_step * step
+        if committed:
+            self.tokens_seen += tokens
         if self.replicas is not None:
             replicas[COMMITTED] = committed
             if committed and self._checks_state(step, replicas):
@@ -375,8 +391,8 @@ class Trainer:
             "loss": _mean_over_ranks(loss),
             "lr": lr,
             "grad_norm": grad_norm,
-            "tokens_seen": self.batches.tokens_per_step * (step + 1),
-            "tokens_per_s": self.batches.tokens_per_step / elapsed,
+            "tokens_seen": self.tokens_seen,
+            "tokens_per_s": tokens / elapsed,
             "step_time_s": elapsed,
             "memory_peak_bytes": _peak_memory_bytes(self.job.device),
             "expert_imbalance_max": max(imbalance.values(), default=0.0),
