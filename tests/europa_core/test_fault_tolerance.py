@@ -254,6 +254,12 @@ def test_a_replica_group_outside_its_range_or_without_a_lighthouse_is_one_line(t
         train(config, plugins, run_dir=tmp_path, replica_group=2)
     with pytest.raises(LaunchError, match=r"expected fault_tolerance.lighthouse"):
         train(config, plugins, run_dir=tmp_path, replica_group=0)
+    nowhere = f'fault_tolerance.lighthouse="http://127.0.0.1:{_free_port()}"'
+    ft = ["fault_tolerance.enabled=true", "parallel.dp_replicate=2"]
+    unreachable, plugins = open_session("tiny", [*ft, nowhere], [])
+    with pytest.raises(LaunchError, match=r"nothing answers there .*expected a running Lighthouse"):
+        train(unreachable, plugins, run_dir=tmp_path / "run", replica_group=0)
+    assert not (tmp_path / "run").exists()  # nothing written
     alone, plugins = open_session("tiny", ["fault_tolerance.enabled=true"], [])
     with pytest.raises(LaunchError, match=r"parallel.dp_replicate = 1: expected 2 or more"):
         train(alone, plugins, run_dir=tmp_path, replica_group=0)

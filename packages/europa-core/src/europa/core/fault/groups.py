@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -73,25 +74,27 @@ class TorchftReplicaGroups:
         store = group_store_address()
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=ft.process_group_timeout_s))
         transport = PGTransport(self._pg, timeout=step, device=torch.device("cpu"))
-        self.manager = Manager(
-            pg=self._pg,
-            load_state_dict=self._healing,
-            state_dict=state,
-            min_replica_size=ft.min_replicas,
-            use_async_quorum=False,
-            timeout=step,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=step,
-            rank=group_rank,
-            world_size=group_size,
-            store_addr=store[0],
-            store_port=store[1],
-            lighthouse_addr=ft.lighthouse,
-            replica_id=REPLICA_ID.format(group),
-            hostname=advertised_host(ft.lighthouse),
-            checkpoint_transport=transport,
-            init_sync=True,
-        )
+        host = advertised_host(ft.lighthouse)
+        with _manager_server_bound_to(host):
+            self.manager = Manager(
+                pg=self._pg,
+                load_state_dict=self._healing,
+                state_dict=state,
+                min_replica_size=ft.min_replicas,
+                use_async_quorum=False,
+                timeout=step,
+                quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+                connect_timeout=step,
+                rank=group_rank,
+                world_size=group_size,
+                store_addr=store[0],
+                store_port=store[1],
+                lighthouse_addr=ft.lighthouse,
+                replica_id=REPLICA_ID.format(group),
+                hostname=host,
+                checkpoint_transport=transport,
+                init_sync=True,
+            )
 
     def _healing(self, state: dict) -> None:
         started = time.perf_counter()
@@ -138,6 +141,28 @@ class TorchftReplicaGroups:
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+@contextmanager
+def _manager_server_bound_to(host: str) -> Iterator[None]:
+    """torchft 0.2.0 binds a group's manager server to every interface (``[::]``); on one
+    machine (a Lighthouse on loopback) it listens on loopback only, as every other server
+    of a run here does."""
+    import torchft.manager as module
+
+    if host != "127.0.0.1":
+        yield
+        return
+    original = module.ManagerServer
+
+    def on_loopback(*args, bind: str, **kwargs):
+        return original(*args, bind=bind.replace("[::]", host, 1), **kwargs)
+
+    module.ManagerServer = on_loopback
+    try:
+        yield
+    finally:
+        module.ManagerServer = original
 
 
 def group_store_address() -> tuple[str, int]:

@@ -94,11 +94,31 @@ def train_group(config, plugins, index: int, run_dir: Path | None, train_one_job
             f"--replica-group = {index}: expected fault_tolerance.lighthouse, the address of "
             "the Lighthouse every group joins (europa lighthouse)"
         )
+    check_reachable(config.fault_tolerance.lighthouse)
     os.environ[REPLICA_GROUP_ENV] = f"{index}/{replicas}"  # for this group's workers
     return train_one_job(
         group_config(config), plugins, run_dir=group_run_dir(run_dir, index),
         replicas=replicas, **launch,
     )  # fmt: skip
+
+
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """A one-line error, before anything is written, when no Lighthouse answers at
+    ``address`` (``http://host:port``)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(address)
+    if where.scheme != "http" or where.hostname is None or where.port is None:
+        raise LaunchError(f"fault_tolerance.lighthouse = {address!r}: expected http://host:port")
+    try:
+        with socket.create_connection((where.hostname, where.port), timeout=timeout_s):
+            pass
+    except OSError as err:
+        raise LaunchError(
+            f"fault_tolerance.lighthouse = {address!r}: nothing answers there "
+            f"({err.strerror or err}); expected a running Lighthouse (europa lighthouse)"
+        ) from None
 
 
 @contextmanager
