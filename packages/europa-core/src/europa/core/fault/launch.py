@@ -160,7 +160,10 @@ def train_groups_here(config, run_dir: Path, *, resume: bool, nproc: int, max_re
             _group_command(run_dir, i, per_group, max_restarts, address, resume)
             for i in range(replicas)
         ]
-        procs = [subprocess.Popen(command) for command in commands]
+        # the groups share this machine's cores, as one job's local workers do
+        threads = str(max(1, (os.cpu_count() or 1) // nproc))
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
+        procs = [subprocess.Popen(command, env=env) for command in commands]
         failed = _wait_all(procs)
     if failed is not None:
         index, code = failed
