@@ -361,8 +361,8 @@ class Trainer:
             grad_norm = self._clip()
             counts = summed_counts(self.model, self.data_group, self.replicas)
             lr = self.scheduler.get_last_lr()[0]
-            skipped = self.skipped.skips(step, grad_norm)
             committed = self.replicas is None or self.replicas.commit()
+            skipped = committed and self.skipped.skips(step, grad_norm)  # a retry counts once
             load = move_expert_bias(*counts, move=committed)
             staged = {}
             if self.pipeline is not None:
