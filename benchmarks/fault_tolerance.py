@@ -4,11 +4,12 @@ Two data-parallel replicas of one CPU rank each, the tiny preset, ``--steps`` st
 synchronous save every ``--every`` steps, each run a real ``europa train`` on this machine
 (fresh processes, a fresh run directory):
 
-* ``plain`` and ``torchft``: the same two replicas with nothing failing, once as one job
-  (``parallel.dp_replicate=2``: DDP over the two ranks) and once as two replica groups
-  meeting through torchft (``fault_tolerance.enabled``): their median steps, whose ratio is
-  the cost of fault tolerance per step (the quorum and the vote each step, the gradients
-  averaged through torchft's process group rather than DDP's buckets).
+* ``plain`` and ``torchft``: the same two replicas with nothing failing, as one job
+  (``parallel.dp_replicate=2``: DDP over the two ranks) and as two replica groups meeting
+  through torchft (``fault_tolerance.enabled``), ``--repeats`` times each in turns: the
+  median over the pairs of their median steps' ratio is the cost of fault tolerance per
+  step (the quorum and the vote each step, the gradients averaged through torchft's
+  process group rather than DDP's buckets).
 * The same failure, SIGKILL to one worker when ``--kill-at`` steps are done:
   * ``no_fault_tolerance``: the job as ``plain``, no restarts: it stops, and the steps since
     its last save are lost with the rest of the run until someone resumes it;
@@ -20,6 +21,7 @@ synchronous save every ``--every`` steps, each run a real ``europa train`` on th
   same configuration's clean run.
 
     python benchmarks/fault_tolerance.py [--json] [--steps 40] [--kill-at 12] [--every 5]
+        [--repeats 3]
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--kill-at", type=int, default=12, help="SIGKILL a worker after this step")
     parser.add_argument("--every", type=int, default=5, help="save every N steps")
+    parser.add_argument("--repeats", type=int, default=3, help="clean runs of each, in turns")
     args = parser.parse_args()
     if not 0 < args.kill_at < args.steps:
         parser.error("--kill-at: expected a step before --steps")
@@ -110,15 +113,27 @@ def main() -> None:
                  "ranks_per_replica": 1, "steps": args.steps, "kill_at": args.kill_at,
                  "save_every": args.every, "cpu_count": os.cpu_count()}  # fmt: skip
 
-    clean = {}
-    for name, extra, metrics in (("plain", (), "metrics.jsonl"),
-                                 ("torchft", FT, "replica-0/metrics.jsonl")):  # fmt: skip
-        wall, code, _ = _run(args, root, f"{name}-clean", *extra)
-        clean[name] = {"wall_s": wall, "exit_code": code,
-                       **_summary(_records(root / f"{name}-clean" / metrics))}  # fmt: skip
+    # The clean runs in turns (plain, torchft, plain, ...), so machine noise hits both; the
+    # cost is the median over the pairs of torchft's median step over plain's.
+    clean: dict[str, list[dict]] = {"plain": [], "torchft": []}
+    for turn in range(args.repeats):
+        for name, extra, metrics in (("plain", (), "metrics.jsonl"),
+                                     ("torchft", FT, "replica-0/metrics.jsonl")):  # fmt: skip
+            run = f"{name}-clean-{turn}"
+            wall, code, _ = _run(args, root, run, *extra)
+            clean[name].append({"wall_s": wall, "exit_code": code,
+                                **_summary(_records(root / run / metrics))})  # fmt: skip
     out["clean"] = clean
-    plain_step, ft_step = clean["plain"]["median_step_s"], clean["torchft"]["median_step_s"]
-    out["torchft_step_over_plain"] = ft_step / plain_step if plain_step and ft_step else None
+    ratios = [ft["median_step_s"] / plain["median_step_s"]
+              for plain, ft in zip(clean["plain"], clean["torchft"], strict=True)]  # fmt: skip
+    out["torchft_step_over_plain_per_pair"] = ratios
+    out["torchft_step_over_plain"] = statistics.median(ratios)
+    out["torchft_wall_over_plain"] = statistics.median(
+        ft["wall_s"] / plain["wall_s"]
+        for plain, ft in zip(clean["plain"], clean["torchft"], strict=True)
+    )
+    baseline_wall = {name: statistics.median(r["wall_s"] for r in runs)
+                     for name, runs in clean.items()}  # fmt: skip
 
     failures = {}
     cases = (
@@ -137,7 +152,7 @@ def main() -> None:
             "killed": killed,
             "exit_code": code,
             "wall_s": wall,
-            "wall_lost_s": wall - clean[baseline]["wall_s"] if code == 0 else None,
+            "wall_lost_s": wall - baseline_wall[baseline] if code == 0 else None,
             "finished": code == 0 and summary["last_step"] == args.steps,
             **summary,
             # with torchft, the steps the other group retried instead
