@@ -14,8 +14,6 @@ import pytest
 
 from tests.conftest import EuropaProcess, _context, _free_port, run_ranks
 
-torchft = pytest.importorskip("torchft")
-
 STEPS = 40
 KILL_AT = 10
 
