@@ -26,6 +26,9 @@ from europa.core.plan.goodput import (
 )
 from europa.core.plan.report import plan_json, plan_table
 from europa.core.session import open_session
+from tests.europa_core.test_plan import (
+    PROFILE,  # a small CUDA profile, as the planner tests write it
+)
 
 seconds = st.floats(0, 1e4)
 mtbfs = st.floats(1.0, 1e9)
@@ -186,21 +189,6 @@ def test_an_estimate_without_the_file_systems_rate_knows_what_it_can():
     assert one.with_ft is one.with_ft_at_young_daly is one.heal_s is None
     assert one.without_ft == pytest.approx(goodput_without_ft(200.0, 20.0, 130.0, 36_000))
     assert one.young_daly_steps == max(1, round(one.young_daly_s / 2.0))
-
-
-PROFILE = """name = "mine"
-device = "cuda"
-gpus_per_node = 2
-device_memory_gib = 1.0
-device_reserved_gib = 0.0
-host_memory_gib = 4.0
-peak_tflops = { bfloat16 = 100.0, float32 = 10.0 }
-matmul_efficiency = 0.5
-intra_node_gbps = 100.0
-inter_node_gbps = 10.0
-host_device_gbps = 50.0
-link_efficiency = 0.8
-"""
 
 
 def test_the_failure_rate_and_restart_default_and_can_be_set(tmp_path):
