@@ -67,8 +67,7 @@ class TorchftReplicaGroups:
                 "expected `pip install torchft`"
             ) from None
         ft = config.fault_tolerance
-        self.group = group
-        self._healed_s: float | None = None
+        self._healed = False  # this step's quorum handed this group a peer's state
         self._load_state = load_state
         step = timedelta(seconds=ft.step_timeout_s)
         store = group_store_address()
@@ -97,15 +96,14 @@ class TorchftReplicaGroups:
             )
 
     def _healing(self, state: dict) -> None:
-        started = time.perf_counter()
         self._load_state(state)
-        self._healed_s = (self._healed_s or 0.0) + time.perf_counter() - started
+        self._healed = True
 
     def start_step(self) -> StepStart:
         started = time.perf_counter()
-        self._healed_s = None
-        self.manager.start_quorum()
-        healed = None if self._healed_s is None else time.perf_counter() - started
+        self._healed = False
+        self.manager.start_quorum()  # a heal, if any, is received and loaded inside it
+        healed = time.perf_counter() - started if self._healed else None
         return StepStart(self.manager.current_step(), self.participants(), healed)
 
     def continue_from(self, step: int) -> None:

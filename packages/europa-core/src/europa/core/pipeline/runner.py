@@ -32,7 +32,7 @@ from europa.core.pipeline.counters import StageCounters
 from europa.core.pipeline.cut import LAYERS
 from europa.core.pipeline.paired import paired_chunks
 from europa.core.pipeline.schedules import build_schedule
-from europa.core.pipeline.stages import rank_stages
+from europa.core.pipeline.stages import rank_stages, stage_ranks
 from europa.spec.job import DATA_AXES
 from europa.spec.lanes import PAIRED_SCHEDULES, TWINS_MADE
 from europa.spec.metrics import PIPELINE_BUBBLE, PIPELINE_SENT_BYTES
@@ -77,7 +77,7 @@ class PipelineRun:
         self.views = dict(views)
         self.pp_rank = pp_rank
         parallel = config.parallel
-        self.owner = {s: r for r in range(parallel.pp) for s in rank_stages(parallel, r)}
+        self.owner = stage_ranks(parallel)  # by stage: the pipeline rank running it
         self.hidden_dtype = getattr(torch, config.training.dtype)  # what flows between stages
         self.dim = config.model.dim
 
