@@ -1,7 +1,8 @@
 """Background saves on 2 gloo ranks, as a user runs them (``europa train``, a slow file
 system emulated by ``checkpoint.max_write_mbps``): Ctrl-C during a background write
 waits for it before the final save; a rank killed during one leaves the previous
-checkpoint to resume from, bit-exactly, and the partial one is removed on resume."""
+checkpoint to resume from, bit-exactly, and the partial one is removed on resume.
+FlexShard's background saves hold what its synchronous ones do."""
 
 from __future__ import annotations
 
@@ -9,12 +10,23 @@ import os
 import signal
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
-from europa.core.checkpoint.store import complete_checkpoints
+from europa.core.checkpoint.store import complete_checkpoints, step_dir
 from europa.core.checkpoint.verify import verify_checkpoint
 from europa.core.launch.progress import read_progress
 
-from .conftest import ctrl_c, europa_env, last_line, records, start_training, wait_for
+from .conftest import (
+    ctrl_c,
+    europa_env,
+    last_line,
+    records,
+    run_europa,
+    start_training,
+    wait_for,
+)
 
 # About 12 MB of state a rank (tiny, AdamW): some 1.5 s to write at 8 MB/s, tens of steps.
 ASYNC = ["--set", 'checkpoint.mode="async"', "--set", "checkpoint.every=2",
@@ -77,3 +89,31 @@ def test_ctrl_c_and_a_killed_rank_during_background_writes(tmp_path, fault_plugi
     assert {step: again[step] for step in before} == before
     assert not writing.exists()  # cleared on resume
     assert complete_checkpoints(run_dir)[-1][0] == done
+
+
+def _saved(run_dir, step: int, into) -> dict:
+    """Every value of checkpoint ``step``, as one process reads it."""
+    dcp_to_torch_save(step_dir(run_dir, step), into)
+    return torch.load(into, weights_only=False)
+
+
+@pytest.mark.distributed
+def test_a_flexshard_background_save_holds_what_a_synchronous_one_does(tmp_path, fault_plugin_dir):
+    env = europa_env(fault_plugin_dir)
+    steps = ["--set", "training.steps=4", "--set", "checkpoint.every=2",
+             "--set", "checkpoint.keep=0"]  # fmt: skip
+    for mode in ("sync", "async"):
+        trained = run_europa(
+            env, "train", "tiny", "-p", "flexshard", "--nproc", "2", "--set", "parallel.ep=2",
+            "--run-dir", str(tmp_path / mode), *steps, "--set", f'checkpoint.mode="{mode}"',
+        )  # fmt: skip
+        assert trained.returncode == 0, trained.stderr
+    for step in (2, 4):
+        sync = _saved(tmp_path / "sync", step, tmp_path / "sync.pt")
+        background = _saved(tmp_path / "async", step, tmp_path / "async.pt")
+        sync_values, sync_keys = tree_flatten_with_path(sync)
+        background_values, background_keys = tree_flatten_with_path(background)
+        assert sync_keys == background_keys
+        for (path, value), (_, other) in zip(sync_values, background_values, strict=True):
+            same = torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+            assert same, keystr(path)

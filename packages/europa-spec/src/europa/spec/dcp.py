@@ -38,7 +38,24 @@ class OwnedChunk(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.new_empty.default:
+            return cls._staging_shell(args[0])
         raise RuntimeError(f"OwnedChunk only carries a checkpoint chunk; {func} is not supported")
+
+    @classmethod
+    def _staging_shell(cls, chunk: OwnedChunk) -> OwnedChunk:
+        """What DCP's stager copies a chunk into: it then sets ``_local`` and
+        ``_offsets`` to copies of the chunk's own (a background save)."""
+        return cls(chunk.size(), chunk._local.new_empty(0, device="cpu"), chunk._offsets)
+
+    def __reduce_ex__(self, protocol: int) -> tuple:
+        # To a writer process: the local tensor goes by its own reduction (shared memory).
+        return (OwnedChunk, (self.size(), self._local, self._offsets))
+
+    @property
+    def local(self) -> torch.Tensor:
+        """The part this rank holds (empty where it holds none)."""
+        return self._local
 
     def _chunks(self) -> list[ChunkStorageMetadata]:
         if self._offsets is None:

@@ -6,7 +6,7 @@ after the rank died; the launcher reads it to say which rank died at which step.
 Phases: ``starting``, ``step`` (computing ``step``), ``saving`` (writing the checkpoint
 of ``step``), ``lost-contact`` (a collective failed here: another rank died or hung),
 ``failed`` (an exception on this rank), ``finished``. ``lost-contact`` is final: the
-writer thread of a background checkpoint may be first to see another rank die, and the
+writer of a background checkpoint may be first to see another rank die, and the
 training thread's next mark must not hide it.
 """
 

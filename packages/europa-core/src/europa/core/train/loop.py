@@ -162,6 +162,7 @@ class Trainer:
             BackgroundSaves(
                 job.device,
                 max_bytes_per_s=cfg.checkpoint.max_write_mbps * 1e6,
+                timeout_s=cfg.parallel.collective_timeout_s,
                 on_lost_contact=lambda: self.progress.mark(LOST_CONTACT),
             )
             if cfg.checkpoint.mode == "async"
@@ -300,9 +301,11 @@ class Trainer:
         }
 
     def finish_saves(self) -> None:
-        """Wait for the background save in flight, if any (raises its failure)."""
+        """Wait for the background save in flight, if any (raises its failure), and
+        stop the writer."""
         if self.background is not None:
             self.background.wait()
+            self.background.close()
 
     # -- one step -------------------------------------------------------------------------
 
