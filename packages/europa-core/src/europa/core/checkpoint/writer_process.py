@@ -126,9 +126,12 @@ def _serve(conn: multiprocessing.connection.Connection, world: WriterWorld, pare
     _die_with(parent)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # It checksums and writes: training keeps the cores. The nice value is inherited by
+    # the threads it starts (gloo's, DCP's), which is where the work happens.
+    os.nice(19)
     import torch
 
-    torch.set_num_threads(1)  # it checksums and writes: training keeps the cores
+    torch.set_num_threads(1)
     # Imported here, not at the top: this module is imported by the training process.
     from torch.distributed.checkpoint.api import CheckpointException
 
