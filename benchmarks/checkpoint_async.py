@@ -17,7 +17,7 @@ the unique state bytes ``europa plan`` reports, the host memory staged per rank,
 checksum cost: crc32c alone, and DCP's writer with and without europa's checksums on the
 same state, in seconds per GB.
 
-    python benchmarks/checkpoint_async.py [--preset debug] [--steps 20] [--every 6] --json
+    python benchmarks/checkpoint_async.py [--preset debug] [--steps 26] [--every 8] --json
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ def _seconds(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="debug")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--every", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=26)
+    parser.add_argument("--every", type=int, default=8)
     parser.add_argument("--window", type=int, default=2, help="steps after a save counted")
     parser.add_argument("--slow-steps", type=float, default=1.5,
                         help="a slow write takes this many clean steps")  # fmt: skip
