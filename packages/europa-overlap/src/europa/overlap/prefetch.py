@@ -33,14 +33,16 @@ def _behind(blocks: Sequence[Any], index: int, depth: int) -> list[Any]:
 
 
 def prefetch_fsdp(
-    blocks: Sequence[Any], depth: int = 1, reshard: str = "all", root: Any = None
+    blocks: Sequence[Any], depth: int = 1, reshard: str | None = "all", root: Any = None
 ) -> None:
     """Prefetch schedule for FSDP2 modules ``blocks`` (in forward order) and their ``root``:
     each block's forward issues the next ``depth`` blocks' all-gathers, each block's
-    backward the previous ``depth`` ones'; ``reshard`` is the reshard-after-forward policy."""
+    backward the previous ``depth`` ones'; ``reshard`` is the reshard-after-forward policy
+    (None: each block keeps its own)."""
     blocks = list(blocks)
     for index, block in enumerate(blocks):
-        block.set_reshard_after_forward(reshards(reshard, index, len(blocks)))
+        if reshard is not None:
+            block.set_reshard_after_forward(reshards(reshard, index, len(blocks)))
         if depth:
             block.set_modules_to_forward_prefetch(_ahead(blocks, index, depth))
             block.set_modules_to_backward_prefetch(_behind(blocks, index, depth))
