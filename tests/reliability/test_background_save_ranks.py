@@ -17,21 +17,16 @@ from torch.utils._pytree import keystr, tree_flatten_with_path
 from europa.core.checkpoint.store import complete_checkpoints, step_dir
 from europa.core.checkpoint.verify import verify_checkpoint
 from europa.core.launch.progress import read_progress
+from tests.conftest import run_ranks
+from tests.trainer_runs import Run, train_runs
 
-from .conftest import (
-    ctrl_c,
-    europa_env,
-    last_line,
-    records,
-    run_europa,
-    start_training,
-    wait_for,
-)
+from .conftest import ctrl_c, europa_env, last_line, records, start_training, wait_for
 
 # About 12 MB of state a rank (tiny, AdamW): some 1.5 s to write at 8 MB/s, tens of steps.
 ASYNC = ["--set", 'checkpoint.mode="async"', "--set", "checkpoint.every=2",
          "--set", "checkpoint.keep=0"]  # fmt: skip
 SLOW = ["--set", "checkpoint.max_write_mbps=8"]
+MODES = ("sync", "async")
 
 
 def _writing(run_dir, rank: int) -> list:
@@ -98,16 +93,10 @@ def _saved(run_dir, step: int, into) -> dict:
 
 
 @pytest.mark.distributed
-def test_a_flexshard_background_save_holds_what_a_synchronous_one_does(tmp_path, fault_plugin_dir):
-    env = europa_env(fault_plugin_dir)
-    steps = ["--set", "training.steps=4", "--set", "checkpoint.every=2",
-             "--set", "checkpoint.keep=0"]  # fmt: skip
-    for mode in ("sync", "async"):
-        trained = run_europa(
-            env, "train", "tiny", "-p", "flexshard", "--nproc", "2", "--set", "parallel.ep=2",
-            "--run-dir", str(tmp_path / mode), *steps, "--set", f'checkpoint.mode="{mode}"',
-        )  # fmt: skip
-        assert trained.returncode == 0, trained.stderr
+def test_a_flexshard_background_save_holds_what_a_synchronous_one_does(tmp_path):
+    steps = ["training.steps=4", "checkpoint.every=2", "checkpoint.keep=0", "parallel.ep=2"]
+    runs = [Run(mode, [*steps, f'checkpoint.mode="{mode}"'], ["flexshard"]) for mode in MODES]
+    run_ranks(train_runs, 2, str(tmp_path), runs)
     for step in (2, 4):
         sync = _saved(tmp_path / "sync", step, tmp_path / "sync.pt")
         background = _saved(tmp_path / "async", step, tmp_path / "async.pt")
