@@ -8,9 +8,9 @@ import re
 from tests.installs import PACKAGES, python_with_only, run_without_core
 
 
-def _readme_example() -> str:
+def _readme_example(section: str = "In your own training loop") -> str:
     text = (PACKAGES / "europa-offload" / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"## {section}\n.*?```python\n(.*?)```", text, re.S).group(1)
 
 
 def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
@@ -27,3 +27,10 @@ def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
     assert all("offloaded 0.0 MiB" not in line for line in steps)
     losses = ast.literal_eval(lines[-1].removeprefix("losses "))
     assert losses[-1] < losses[0]
+    # The torchtitan section's block: torchtitan's job config, its ModelSpec wrapped.
+    titan = run_without_core(
+        python,
+        _readme_example("In torchtitan") + "\nprint(config.model_spec.parallelize_fn.__qualname__)",
+    )
+    assert titan.returncode == 0, titan.stderr
+    assert titan.stdout.strip().endswith("with_offload.<locals>.parallelize_then_offload")

@@ -8,9 +8,9 @@ import re
 from tests.installs import PACKAGES, python_with_only, run_without_core
 
 
-def _readme_example() -> str:
+def _readme_example(section: str = "In your own training loop") -> str:
     text = (PACKAGES / "europa-overlap" / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"## {section}\n.*?```python\n(.*?)```", text, re.S).group(1)
 
 
 def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
@@ -29,6 +29,13 @@ def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
     assert len((trace / "overlap" / "timeline-rank0.jsonl").read_text().splitlines()) == 4
     losses = ast.literal_eval(lines[-1].removeprefix("losses "))
     assert losses[-1] < losses[0]
+    # The torchtitan section's block: torchtitan's job config, its ModelSpec wrapped.
+    titan = run_without_core(
+        python,
+        _readme_example("In torchtitan") + "\nprint(config.model_spec.parallelize_fn.__qualname__)",
+    )
+    assert titan.returncode == 0, titan.stderr
+    assert titan.stdout.strip().endswith("with_overlap.<locals>.parallelize_then_overlap")
     # Every europa command imports the plugin module: it must not pull in torch.
     light = run_without_core(
         python, "import sys, europa.overlap.plugin\nassert 'torch' not in sys.modules"
