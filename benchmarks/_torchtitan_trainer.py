@@ -114,6 +114,21 @@ def routing_of(spec: Any) -> dict[str, Any]:
     }
 
 
+def adapted(spec: Any, adapter: str) -> Any:
+    """``spec`` with a europa technique's torchtitan adapter: "offload" (every saved
+    activation of at least 64 KiB) or "overlap" (FSDP2 gathers prefetched 2 blocks ahead)."""
+    if adapter == "offload":
+        from europa.offload import OffloadPolicy
+        from europa.offload.torchtitan import with_offload
+
+        return with_offload(spec, OffloadPolicy(min_bytes=64 << 10))
+    if adapter == "overlap":
+        from europa.overlap.torchtitan import with_overlap
+
+        return with_overlap(spec, depth=2)
+    raise ValueError(f"adapter = {adapter!r}: expected 'offload' or 'overlap'")
+
+
 def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Trainer.Config:
     """torchtitan's own debugmodel job, made to match the europa run it is compared with."""
     from europa.core.config import load_config
@@ -127,6 +142,8 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
         fp32_experts=args["fp32_experts"],
         europa_shape=args.get("europa_shape", False),
     )
+    if args.get("adapter"):
+        config.model_spec = adapted(config.model_spec, args["adapter"])
     config.hf_assets_path = str(Path(assets_init).parent)  # europa's tokenizer.json
     config.dump_folder = dump_folder
     config.metrics = MetricsProcessor.Config(log_freq=args["log_every"])
@@ -208,6 +225,11 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         parameters = sum(p.numel() for p in model.parameters())
         tokens = config.training.global_batch_size * config.training.seq_len
         result = summarise(clock, tokens)
+        if args.get("adapter") == "offload":
+            from europa.offload.torchtitan import offload_record
+
+            steps = offload_record(model).steps
+            result["offloaded_bytes_per_step"] = max(s.bytes_offloaded for s in steps)
         result.update(
             parameters=parameters,
             routing=routing_of(config.model_spec),
