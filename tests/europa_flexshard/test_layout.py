@@ -69,6 +69,7 @@ def _flexshard_rank(rank: int, world: int) -> dict:
     _, expert_layout, _ = _laid_out_model(experts=ExpertParallel())
     return {
         "sums_in_backward": _sums_in_backward(rank, world) if world == 4 else None,
+        "mean_and_sum": _mean_and_sum_over_ranks(rank, world) if world == 2 else None,
         "initial_expert_parallel": expert_layout.full_parameters(),
         "initial": initial,
         "local_grads": local_grads,
@@ -134,6 +135,31 @@ def _sums_in_backward(rank: int, world: int) -> dict:
             "reduce_scatters": list(scatters),
             "refused": refused,
         }
+    return out
+
+
+def _mean_and_sum_over_ranks(rank: int, world: int) -> dict:
+    """This rank's gradients after one backward on its own tokens, averaged and summed over
+    the ranks (``mean_over_ranks``): experts resident over the world, and each rank
+    holding the whole model as a replica of the other (no shard group)."""
+    import torch.distributed as dist
+
+    from europa.flexshard.experts import ExpertParallel
+
+    alone, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world)])
+    layouts = {
+        "experts": lambda mean: _laid_out_model(ExpertParallel(), mean_over_ranks=mean),
+        "replicas": lambda mean: _laid_out_model(
+            group=alone, replicate_group=dist.group.WORLD, mean_over_ranks=mean
+        ),
+    }
+    out = {}
+    for kind, lay_out in layouts.items():
+        for mean in (True, False):
+            model, layout, _ = lay_out(mean)
+            _loss(model, _tokens().chunk(world)[rank]).backward()
+            layout.finish_gradients()
+            out[kind, mean] = {n: p.grad.clone() for n, p in layout.named_local_parameters()}
     return out
 
 
@@ -248,6 +274,19 @@ def test_once_a_step_sums_in_the_last_backward_equal_the_sums_after_it(spawned):
             assert set(sums["reduce_scatters"]) == {"first backward", "last backward"}
         assert len(inside["all_reduces"]) > len(after["all_reduces"])  # one per unit, expert
         assert inside["refused"].startswith("sum_copies_in_backward = 2: a backward beyond it")
+
+
+def test_mean_over_ranks_false_sums_the_gradients_over_ranks(spawned):
+    """``flex_shard(..., mean_over_ranks=False)`` gives each gradient as the sum over the
+    data-parallel ranks (the mean times the ranks), for dense units, replicas and resident
+    experts alike; the default stays the mean."""
+    for result in spawned(2):
+        grads = result["mean_and_sum"]
+        for kind in ("experts", "replicas"):
+            mean, summed = grads[kind, True], grads[kind, False]
+            assert mean.keys() == summed.keys()
+            for name, grad in mean.items():
+                torch.testing.assert_close(summed[name], grad * 2, rtol=1e-6, atol=0, msg=name)
 
 
 def _one_process_step(monkeypatch, alone: bool) -> tuple[torch.Tensor, dict, list]:

@@ -66,11 +66,12 @@ def _groups(
     group: dist.ProcessGroup | None,
     replicate_group: dist.ProcessGroup | None,
     direct: bool | None,
+    mean: bool = True,
 ) -> Groups:
     if not dist.is_available() or not dist.is_initialized():
         if replicate_group is not None:
             raise PlanError("replicate_group given without torch.distributed initialised")
-        return Groups(shard=None, rank=0, size=1)
+        return Groups(shard=None, rank=0, size=1, mean=mean)
     replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
     return Groups(
         shard=group,
@@ -79,6 +80,7 @@ def _groups(
         replicate=replicate_group,
         replicas=replicas,
         direct=runs_direct(group) if direct is None else direct,
+        mean=mean,
     )
 
 
@@ -93,6 +95,7 @@ def flex_shard(
     orthogonalised: Callable[[str, Sequence[int]], bool] = uses_muon,
     experts: ExpertParallel | None = None,
     direct: bool | None = None,
+    mean_over_ranks: bool = True,
 ) -> FlexShardLayout:
     """Lay ``model`` out by whole-matrix ownership over ``group`` (default: the world).
 
@@ -106,10 +109,13 @@ def flex_shard(
     with a ``token_dispatcher`` and ``inner_experts`` over its group instead
     (expert parallelism). ``direct``: gather and reduce-scatter by direct transfers
     between ranks (default: where the backend is gloo, ``europa.flexshard.direct``).
+    ``mean_over_ranks``: each gradient is the mean over the data-parallel ranks; False:
+    their sum, for a loss that each rank already divides by the global token count
+    (torchtitan's).
     Parameters on the meta device stay there until ``layout.materialise``; real ones are
     sliced and the rest freed.
     """
-    groups = _groups(group, replicate_group, direct)
+    groups = _groups(group, replicate_group, direct, mean_over_ranks)
     unit_modules = list(units) if units is not None else default_units(model)
     if not any(m is model for m in unit_modules):
         unit_modules.append(model)  # the root gathers whatever no other unit claims
@@ -126,7 +132,7 @@ def flex_shard(
     }
     compute_itemsize = (param_dtype or next(model.parameters()).dtype).itemsize
     routed = (
-        _plan_experts(model, specs, experts, compute_itemsize, reduce_dtype)
+        _plan_experts(model, specs, experts, compute_itemsize, reduce_dtype, mean_over_ranks)
         if experts is not None
         else None
     )
@@ -191,6 +197,7 @@ def _plan_experts(
     parallel: ExpertParallel,
     compute_itemsize: int,
     reduce_dtype: torch.dtype | None = None,
+    mean_over_ranks: bool = True,
 ) -> ResidentExperts:
     """Whole experts over the expert-parallel group: one stack per routed-expert
     module (its matrices together), and each module's dispatcher swapped for ours."""
@@ -220,7 +227,9 @@ def _plan_experts(
         module.token_dispatcher = parallel.dispatcher(
             rank, ranges, _top_k(module), compute_itemsize
         )
-    return ResidentExperts(owners, parallel, rank, size, plan, reduce_dtype=reduce_dtype)
+    return ResidentExperts(
+        owners, parallel, rank, size, plan, reduce_dtype, mean_over_ranks=mean_over_ranks
+    )
 
 
 def _router_groups(model: nn.Module, module_name: str) -> int:

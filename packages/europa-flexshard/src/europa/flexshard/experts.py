@@ -163,6 +163,7 @@ class ResidentExperts:
     size: int
     plan: OwnershipPlan  # one stack per routed-expert module, over the expert group
     reduce_dtype: torch.dtype | None = None
+    mean_over_ranks: bool = True  # False: the gradients' sum over the data-parallel ranks
     kept: list[KeptExchanges] = field(default_factory=list)  # blocks keeping their exchanges
     copies_sum: OnceAStepSum = field(init=False)  # backwards counted per parameter
 
@@ -188,6 +189,8 @@ class ResidentExperts:
         copies = self.parallel.copies
         world = dist.get_world_size() if dist.is_initialized() else 1
         self.copies_sum.pending = copies is not None and dist.get_world_size(copies) > 1
+        if not self.mean_over_ranks:
+            return grad
         return grad / (self.parallel.data_parallel_size or world)
 
     def after_accumulate(self, param: torch.Tensor) -> None:

@@ -268,8 +268,9 @@ class GatherUnit:
         g = self.groups
         shares = pending()
         self.replica_sum.pending = g.replicas > 1
-        for share in shares:  # gloo has no AVG; the mean over data-parallel ranks
-            share.div_(g.size * g.replicas)
+        if g.mean:  # gloo has no AVG; the mean over data-parallel ranks
+            for share in shares:
+                share.div_(g.size * g.replicas)
         return [share.to(slot.local.dtype) for share, slot in zip(shares, self.slots, strict=True)]
 
     def reduce_replicas(self) -> None:
@@ -369,10 +370,12 @@ class GatherUnit:
             replica_sum.issue(id(self), self._averaged(wanted))
 
     def _averaged(self, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """The gradients of ``params``, divided by the replicas: their sum is the mean."""
+        """The gradients of ``params``, divided by the replicas: their sum is the mean
+        (undivided where the layout sums over ranks, ``Groups.mean``)."""
         grads = [p.grad for p in params if p.grad is not None]
-        for grad in grads:
-            grad.div_(self.groups.replicas)
+        if self.groups.mean:
+            for grad in grads:
+                grad.div_(self.groups.replicas)
         return grads
 
     def _whole_views(self) -> list[torch.Tensor]:

@@ -30,7 +30,9 @@ class Groups:
     """The ranks a layout spans: ``shard`` holds one copy, split by ownership;
     ``replicate`` (optional) joins the ranks holding the same share in other copies.
     ``direct``: gathers and reduce-scatters are direct transfers between ranks
-    (``europa.flexshard.direct``), not the backend's collectives."""
+    (``europa.flexshard.direct``), not the backend's collectives. ``mean``: a gradient is
+    the mean over the data-parallel ranks; False: their sum (for a loss each rank already
+    divided by the global token count, as torchtitan's is)."""
 
     shard: dist.ProcessGroup | None
     rank: int
@@ -38,3 +40,4 @@ class Groups:
     replicate: dist.ProcessGroup | None = None
     replicas: int = 1
     direct: bool = False
+    mean: bool = True

@@ -30,16 +30,25 @@ HYPERPARAMETERS = ("lr", "weight_decay", "momentum", "ns_steps", "betas", "eps")
 
 class FlexShardState:
     """``state_dict()`` -> ``{"model": ..., "optim": ...}``; ``load_state_dict`` after
-    DCP has filled it in place (tensors are views of the live storage)."""
+    DCP has filled it in place (tensors are views of the live storage). Each part alone:
+    ``model_state()`` (``optimizer`` may be None for it) and ``optimizer_state()``."""
 
-    def __init__(self, layout: FlexShardLayout, optimizer: FlexShardOptimizer) -> None:
+    def __init__(self, layout: FlexShardLayout, optimizer: FlexShardOptimizer | None) -> None:
         self.layout = layout
         self.optimizer = optimizer
 
     def state_dict(self) -> dict[str, Any]:
+        return {"model": self.model_state(), "optim": self.optimizer_state()}
+
+    def model_state(self) -> dict[str, Any]:
+        """{name: parameter (an ``OwnedChunk``) or persistent buffer}."""
         model = dict(_persistent_buffers(self.layout.model))  # replicated: equal on every rank
         for name, param in self.layout.named_local_parameters():
             model[name] = self._global(name, param)
+        return model
+
+    def optimizer_state(self) -> dict[str, Any]:
+        """{"state": {name: {key: tensor}}, "param_groups": {name: hyperparameters}}."""
         state, groups = {}, {}
         for group in self.optimizer.param_groups:  # by parameter: any cut of stages loads it
             hyperparameters = {k: group[k] for k in HYPERPARAMETERS}
@@ -50,7 +59,7 @@ class FlexShardState:
                 key: value if value.ndim == 0 else self._global(name, value)
                 for key, value in self.optimizer.state[param].items()
             }
-        return {"model": model, "optim": {"state": state, "param_groups": groups}}
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # Tensors were filled in place by DCP; only the hyperparameters are new objects.
