@@ -14,9 +14,9 @@ from tests.installs import python_with_only, run_without_core
 PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "europa-flexshard"
 
 
-def _readme_example() -> str:
+def _readme_example(section: str = "In your own training loop") -> str:
     text = (PACKAGE / "README.md").read_text()
-    return re.search(r"```python\n(.*?)```", text, re.S).group(1)
+    return re.search(rf"## {section}\n.*?```python\n(.*?)```", text, re.S).group(1)
 
 
 def _run_readme(namespace: dict) -> list[float]:
@@ -95,3 +95,9 @@ def test_the_package_installs_and_imports_without_core(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok flexshard"
+    # The torchtitan section's block: torchtitan's job config, laid out by flexshard.
+    titan = run_without_core(
+        python, _readme_example("In torchtitan") + "\nprint(type(config).__qualname__)"
+    )
+    assert titan.returncode == 0, titan.stderr
+    assert titan.stdout.strip().endswith("FlexShardTrainer.Config")
