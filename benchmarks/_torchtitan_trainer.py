@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -126,7 +126,7 @@ def adapted(spec: Any, adapter: str) -> Any:
         from europa.overlap.torchtitan import with_overlap
 
         return with_overlap(spec, depth=2)
-    raise ValueError(f"adapter = {adapter!r}: expected 'offload' or 'overlap'")
+    raise ValueError(f"adapter = {adapter!r}: expected 'offload' or 'overlap' here")
 
 
 def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Trainer.Config:
@@ -142,7 +142,7 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
         fp32_experts=args["fp32_experts"],
         europa_shape=args.get("europa_shape", False),
     )
-    if args.get("adapter"):
+    if args.get("adapter") in ("offload", "overlap"):
         config.model_spec = adapted(config.model_spec, args["adapter"])
     config.hf_assets_path = str(Path(assets_init).parent)  # europa's tokenizer.json
     config.dump_folder = dump_folder
@@ -189,6 +189,17 @@ def trainer_config(args: dict[str, Any], world: int, dump_folder: str) -> Traine
     config.checkpoint = CheckpointManager.Config(enable=False)
     # europa's e2e runs recompute nothing either
     config.activation_checkpoint = FullAC.Config() if args.get("full_ac") else None
+    if args.get("plain_loss"):  # the chunked loss calls lm_head outside the model's forward
+        config.loss = config.loss.loss_fn
+    if args.get("nodes"):  # node-limited routing over the nodes an ep group spans
+        from europa.flexshard.torchtitan import node_limited_routing
+
+        config.model_spec.model = node_limited_routing(config.model_spec.model, args["nodes"], 1)
+    if args.get("adapter") == "flexshard":
+        from europa.flexshard.torchtitan import flexshard_config
+
+        per_node = args["ep"] // args["nodes"]
+        config = flexshard_config(config, ranks_per_node=per_node, max_nodes_per_token=1)
     return config
 
 
@@ -209,8 +220,12 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             clock = StepClock(
                 args["warmup"], args["timed"], args["profiled"], args.get("device", "cpu")
             )
+            step = trainer.optimizers.step
+            traffic = CountedTraffic() if args.get("count_step_traffic") else None
+            if traffic is not None:
+                step = _inside(traffic, step)
             trainer.forward_backward_step, trainer.optimizers.step = clock.watch(
-                model, trainer.forward_backward_step, trainer.optimizers.step
+                model, trainer.forward_backward_step, step
             )
             keep_going = trainer.should_continue_training
 
@@ -225,6 +240,9 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         parameters = sum(p.numel() for p in model.parameters())
         tokens = config.training.global_batch_size * config.training.seq_len
         result = summarise(clock, tokens)
+        if traffic is not None:
+            result["optimizer_step_calls"] = traffic.calls
+            result["optimizer_step_bytes"] = traffic.bytes
         if args.get("adapter") == "offload":
             from europa.offload.torchtitan import offload_record
 
@@ -236,3 +254,67 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             torchtitan_flops_per_token=trainer.metrics_processor.num_flops_per_token,
         )
         return result
+
+
+def _inside(context: Any, fn: Callable) -> Callable:
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with context:
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+# torch.distributed's point-to-point and collective calls, each counted by CountedTraffic
+TRAFFIC = (
+    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
+    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
+    "broadcast", "broadcast_object_list", "gather", "irecv", "isend", "recv", "reduce",
+    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "send",
+)  # fmt: skip
+
+
+class CountedTraffic:
+    """While active, every call this process makes to one of ``TRAFFIC`` (looked up on
+    ``torch.distributed`` at call time, as europa's layouts do) is counted with the bytes of
+    its tensors, and with ``functional`` DTensor's functional collectives too, through
+    torch's ``CommDebugMode`` (which sees every operator: slow around a whole step)."""
+
+    def __init__(self, functional: bool = True) -> None:
+        self.calls = 0
+        self.bytes = 0
+        self.functional = functional
+
+    def __enter__(self) -> CountedTraffic:
+        import torch.distributed as dist
+        from torch.distributed.tensor.debug import CommDebugMode
+
+        self._originals = {n: getattr(dist, n) for n in TRAFFIC if hasattr(dist, n)}
+        for name, original in self._originals.items():
+            setattr(dist, name, self._counted(original))
+        self._functional = CommDebugMode() if self.functional else None
+        if self._functional is not None:
+            self._functional.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        import torch.distributed as dist
+
+        if self._functional is not None:
+            self._functional.__exit__(*exc)
+            self.calls += self._functional.get_total_counts()
+        for name, original in self._originals.items():
+            setattr(dist, name, original)
+
+    def _counted(self, original: Callable) -> Callable:
+        import torch
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls += 1
+            for value in (*args, *kwargs.values()):
+                items = value if isinstance(value, list | tuple) else [value]
+                for item in items:
+                    if isinstance(item, torch.Tensor):
+                        self.bytes += item.numel() * item.element_size()
+            return original(*args, **kwargs)
+
+        return counted

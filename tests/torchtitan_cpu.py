@@ -7,7 +7,7 @@ and import nothing of torchtitan (nor europa-core's model) at a test module's to
 attention, FSDP2 over the ranks, europa's batches for a tiny ``debug`` preset, a fixed
 seed so that two Trainers built one after the other start from the same weights.
 ``seed_checkpoint`` gives two differently laid-out jobs the same initial weights;
-``CountedTraffic`` counts what a stretch of code sends."""
+``counted_traffic()`` counts what a stretch of code sends."""
 
 from __future__ import annotations
 
@@ -103,57 +103,10 @@ def seed_checkpoint(config: Any, folder: str) -> str:
     return path
 
 
-# torch.distributed's point-to-point and collective calls, each counted by CountedTraffic
-TRAFFIC = (
-    "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_single",
-    "all_reduce", "all_to_all", "all_to_all_single", "barrier", "batch_isend_irecv",
-    "broadcast", "broadcast_object_list", "gather", "irecv", "isend", "recv", "reduce",
-    "reduce_scatter", "reduce_scatter_single", "reduce_scatter_tensor", "scatter", "send",
-)  # fmt: skip
+def counted_traffic(functional: bool = True) -> Any:
+    """The benchmarks' ``CountedTraffic`` (``_torchtitan_trainer``): a context counting
+    what a stretch of code sends."""
+    titan()
+    from _torchtitan_trainer import CountedTraffic
 
-
-class CountedTraffic:
-    """While active, every call this process makes to one of ``TRAFFIC`` (looked up on
-    ``torch.distributed`` at call time, as europa's layouts do) is counted with the bytes of
-    its tensors, and with ``functional`` DTensor's functional collectives too, through
-    torch's ``CommDebugMode`` (which sees every operator: slow around a whole step)."""
-
-    def __init__(self, functional: bool = True) -> None:
-        self.calls = 0
-        self.bytes = 0
-        self.functional = functional
-
-    def __enter__(self) -> CountedTraffic:
-        import torch.distributed as dist
-        from torch.distributed.tensor.debug import CommDebugMode
-
-        self._originals = {n: getattr(dist, n) for n in TRAFFIC if hasattr(dist, n)}
-        for name, original in self._originals.items():
-            setattr(dist, name, self._counted(original))
-        self._functional = CommDebugMode() if self.functional else None
-        if self._functional is not None:
-            self._functional.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        import torch.distributed as dist
-
-        if self._functional is not None:
-            self._functional.__exit__(*exc)
-            self.calls += self._functional.get_total_counts()
-        for name, original in self._originals.items():
-            setattr(dist, name, original)
-
-    def _counted(self, original: Callable) -> Callable:
-        import torch
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            self.calls += 1
-            for value in (*args, *kwargs.values()):
-                items = value if isinstance(value, list | tuple) else [value]
-                for item in items:
-                    if isinstance(item, torch.Tensor):
-                        self.bytes += item.numel() * item.element_size()
-            return original(*args, **kwargs)
-
-        return counted
+    return CountedTraffic(functional)

@@ -78,17 +78,17 @@ def _watch(record: dict):
     the layout's transfers, the calls of every forward and backward."""
 
     def watch(trainer) -> None:
-        from tests.torchtitan_cpu import CountedTraffic
+        from tests.torchtitan_cpu import counted_traffic
 
         step, forward_backward = trainer.optimizers.step, trainer.forward_backward_step
 
         def counted_step(*args, **kwargs):
-            with CountedTraffic() as traffic:
+            with counted_traffic() as traffic:
                 step(*args, **kwargs)
             record.setdefault("step", []).append((traffic.calls, traffic.bytes))
 
         def counted_forward_backward(**kwargs):
-            with CountedTraffic(functional=False) as traffic:
+            with counted_traffic(functional=False) as traffic:
                 loss = forward_backward(**kwargs)
             record.setdefault("forward_backward", []).append(traffic.calls)
             return loss
