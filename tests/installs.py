@@ -17,10 +17,14 @@ def python_with_only(tmp_path: Path, distribution: str) -> Path:
     """A new environment with ``distribution`` and europa-spec installed, torch and
     pluggy importable from this one. This environment's site-packages is added as a plain
     path, so the editable-install hooks there (europa-core's among them) are not
-    processed: europa-core is absent."""
+    processed: europa-core is absent. The packages build with this environment's
+    setuptools (no isolated build environment to set up: seconds a package)."""
     env = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
     python = env / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = Path(subprocess.check_output([python, "-c", purelib], text=True).strip())
+    (site / "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     sources = []
     for name in (CONTRACT, distribution):  # pip builds in the source tree: keep ours clean
         sources.append(tmp_path / name)
@@ -29,12 +33,9 @@ def python_with_only(tmp_path: Path, distribution: str) -> Path:
         )
     subprocess.run(
         [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet",
-         "--no-deps", *map(str, sources)],
+         "--no-deps", "--no-build-isolation", *map(str, sources)],
         check=True,
     )  # fmt: skip
-    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
-    site = Path(subprocess.check_output([python, "-c", purelib], text=True).strip())
-    (site / "shared.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     return python
 
 
