@@ -52,6 +52,7 @@ def _free_port() -> int:
 # The server itself never runs a torch op or starts a thread, so forking it is safe.
 PRELOAD = [
     "torch",
+    "tests.torchtitan_preload",  # before anything imports torchtitan
     "torch.distributed",
     "torch.distributed.checkpoint",
     "europa.core.session",
@@ -118,15 +119,11 @@ def _rank_main(fn, rank: int, world: int, port: int, args: tuple, results, paren
             dist.destroy_process_group()
 
 
-def run_ranks(
-    fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120, fresh: bool = False
-) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120) -> list[Any]:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo processes; return results by rank.
 
-    ``fn`` must be importable (a module-level function of a test module). ``fresh``: in
-    new interpreters, not forked from the fork server, for code that must act before a
-    module the server preloads is imported (torchtitan patched for CPU ranks)."""
-    ctx = mp.get_context("spawn") if fresh else _context()
+    ``fn`` must be importable (a module-level function of a test module)."""
+    ctx = _context()
     results = ctx.Queue()
     port = _free_port()
     parent = (dict(os.environ), os.getcwd())

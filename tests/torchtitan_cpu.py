@@ -1,7 +1,7 @@
-"""torchtitan 0.3.0's own ``Trainer`` on the CPU gloo ranks of ``run_ranks(...,
-fresh=True)``: the benchmarks' launcher (``benchmarks/_torchtitan_cpu.py``) patches
-torchtitan for CPU before its first import, so call ``titan()`` first thing in a rank,
-and import nothing of torchtitan (nor europa-core's model) at a test module's top.
+"""torchtitan 0.3.0's own ``Trainer`` on the CPU gloo ranks of ``run_ranks``: the
+benchmarks' launcher (``benchmarks/_torchtitan_cpu.py``) patches torchtitan for CPU
+before its first import, which the fork server does first (``tests.torchtitan_preload``);
+``titan()`` returns the patched helpers.
 
 ``debug_job`` is the benchmarks' torchtitan job: the ``deepseek_v3`` debugmodel with SDPA
 attention, FSDP2 over the ranks, europa's batches for a tiny ``debug`` preset, a fixed

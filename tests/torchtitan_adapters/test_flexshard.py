@@ -141,7 +141,7 @@ def _refusals(rank: int, world: int, folder: Path, seed: str) -> dict[str, str]:
 def _trainers(rank: int, world: int, folder: str) -> dict:
     from tests.torchtitan_cpu import seed_checkpoint, titan, train
 
-    titan()  # patches torchtitan for CPU before anything imports it
+    titan()  # the benchmarks' helpers on the path (the fork server patched torchtitan)
     from europa.flexshard.experts import routed_expert_modules
     from europa.flexshard.torchtitan import flexshard_layout
 
@@ -197,7 +197,7 @@ def _muon(rank: int, world: int, folder: Path) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp("flexshard-torchtitan")
-    return run_ranks(_trainers, 4, str(folder), fresh=True, timeout=600)
+    return run_ranks(_trainers, 4, str(folder), timeout=600)
 
 
 def _relative(a: float, b: float) -> float:

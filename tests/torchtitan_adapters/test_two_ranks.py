@@ -61,7 +61,7 @@ def _trainers(rank: int, world: int, folder: str) -> dict:
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     folder = tmp_path_factory.mktemp("torchtitan")
-    return run_ranks(_trainers, 2, str(folder), fresh=True, timeout=300)
+    return run_ranks(_trainers, 2, str(folder), timeout=300)
 
 
 @pytest.mark.distributed
