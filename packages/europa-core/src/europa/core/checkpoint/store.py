@@ -197,9 +197,9 @@ def clear_partials(run_dir: Path) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def _barrier(group: dist.ProcessGroup | None = None) -> None:
+def _barrier() -> None:
     if not _alone():
-        dist.barrier(group=group)
+        dist.barrier()
 
 
 def _is_main() -> bool:
@@ -286,11 +286,11 @@ def write_checkpoint(
     *,
     keep: int = 0,
     record: dict[str, Any] | None = None,
-    group: dist.ProcessGroup | None = None,
     max_bytes_per_s: float = 0,
 ) -> Path:
-    """Write ``state_dict`` as checkpoint ``step``, on every rank of ``group`` (None: the
-    default group), each rank writing at most ``max_bytes_per_s`` (0: no limit).
+    """Write ``state_dict`` as checkpoint ``step``, on every rank of the default group
+    (a background save's writers have a world of their own), each rank writing at most
+    ``max_bytes_per_s`` (0: no limit).
 
     A full disk (on any rank) removes the partial checkpoint and raises a
     CheckpointError on every rank; earlier checkpoints are untouched. ``record`` goes
@@ -300,26 +300,26 @@ def write_checkpoint(
     if _is_main():
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-    _barrier(group)
+    _barrier()
     writer = ChecksummingWriter(str(partial), max_bytes_per_s=max_bytes_per_s)
     try:
         with _quiet_when_alone():
-            dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=_alone())
+            dcp.save(state_dict, storage_writer=writer, no_dist=_alone())
     except CheckpointException as err:  # the same on every rank: DCP gathers the failures
         # Rank 0 judges (free space is what it sees before it frees any) for every rank.
         full = _is_main() and _is_disk_full(root_exception(err), partial)
-        failure = _from_main(DISK_FULL if full else None, group)
+        failure = _from_main(DISK_FULL if full else None)
         if failure is None:
             raise
     else:
         failure = None
         if _is_main():
             failure = _finish(run_dir, partial, final, step, keep, writer, record)
-        failure = _from_main(failure, group)
+        failure = _from_main(failure)
     if failure is not None:
         if _is_main():
             shutil.rmtree(partial, ignore_errors=True)
-        _barrier(group)  # the space is free again before any rank writes its error report
+        _barrier()  # the space is free again before any rank writes its error report
         raise CheckpointError(
             f"checkpoint of step {step}: {failure}; the earlier checkpoints are intact: "
             f"free space under {str(partial.parent)!r}, then continue with: "
@@ -386,12 +386,12 @@ def _file_records(partial: Path, writer: ChecksummingWriter) -> dict[str, FileRe
     return records
 
 
-def _from_main(outcome: T, group: dist.ProcessGroup | None = None) -> T:
+def _from_main(outcome: T) -> T:
     """Rank 0's outcome on every rank (a collective: also the barrier that ends a save)."""
     if _alone():
         return outcome
     shared = [outcome]
-    dist.broadcast_object_list(shared, src=0, group=group)
+    dist.broadcast_object_list(shared, src=0)
     return shared[0]
 
 
