@@ -228,9 +228,12 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
                 model, trainer.forward_backward_step, step
             )
             keep_going = trainer.should_continue_training
+            link = LinkBytes(args["link_device"]) if args.get("link_device") else None
 
             def should_continue_training() -> bool:
                 clock.boundary()
+                if link is not None:
+                    link.boundary()
                 return keep_going()
 
             trainer.should_continue_training = should_continue_training
@@ -243,6 +246,9 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
         if traffic is not None:
             result["optimizer_step_calls"] = traffic.calls
             result["optimizer_step_bytes"] = traffic.bytes
+        if link is not None:
+            timed = link.per_step()[clock.warmup : clock.warmup + clock.timed]
+            result["link_sent_bytes_per_step"] = sorted(timed)[len(timed) // 2]
         if args.get("adapter") == "offload":
             from europa.offload.torchtitan import offload_record
 
@@ -254,6 +260,22 @@ def run_trainer(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
             torchtitan_flops_per_token=trainer.metrics_processor.num_flops_per_token,
         )
         return result
+
+
+class LinkBytes:
+    """What this node sends over its emulated link (``_netns``) in each iteration: the
+    veth end's transmit counter, read in this rank's network namespace at every step
+    boundary. Every rank of the node reads the same counter: its ranks' traffic together."""
+
+    def __init__(self, device: str) -> None:
+        self.counter = Path(f"/sys/class/net/{device}/statistics/tx_bytes")
+        self.readings: list[int] = []
+
+    def boundary(self) -> None:
+        self.readings.append(int(self.counter.read_text()))
+
+    def per_step(self) -> list[int]:
+        return [b - a for a, b in zip(self.readings, self.readings[1:], strict=False)]
 
 
 def _inside(context: Any, fn: Callable) -> Callable:
