@@ -134,6 +134,7 @@ def _wait_for_step(group: Group, step: int, timeout: float) -> None:
     raise AssertionError(f"{group.run_dir.name} did not reach step {step} within {timeout} s")
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("groups", "ranks", "plugins", "extra"),
     [(3, 1, [], []), (2, 2, ["flexshard"], ["parallel.ep=2"])],

@@ -75,6 +75,7 @@ RUNS = {
 }  # fmt: skip
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize("world", sorted(RUNS))
 def test_planned_state_equals_what_ranks_hold(ranks, tmp_path, world):
     from europa.core.launch.distributed import shutdown
