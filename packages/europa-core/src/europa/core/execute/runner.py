@@ -1,10 +1,10 @@
 """Execute chosen ranks of a plan, each in a process of its own, and collect what they measured.
 
 Each rank runs ``europa.core.execute.program`` in a fresh interpreter (the fake process
-group, the stand-in accelerator and the patched ``torch.distributed`` are process-wide),
-one after another (a rank takes the machine's cores for itself). The resolved config and
-each rank's spec go through a temporary folder, removed afterwards: an execution writes
-nothing else.
+group, the stand-in accelerator and the patched ``torch.distributed`` are process-wide)
+with one OpenMP thread, so as many ranks run side by side as the machine has cores. The
+resolved config and each rank's spec go through a temporary folder, removed afterwards:
+an execution writes nothing else.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -82,11 +83,11 @@ def execute_plan(
     check_executable(plan.config)
     hardware = plan.hardware
     per_node = plan.config.parallel.ranks_per_node or hardware.gpus_per_node
-    results = []
     with tempfile.TemporaryDirectory(prefix="europa-execute-") as folder:
         config_path = Path(folder) / "config.toml"
         config_path.write_text(config_to_toml(plan.config))
-        for rank in ranks:
+
+        def execute(rank: int) -> dict[str, Any]:
             on_rank(rank)
             spec = RankSpec(
                 config_path=str(config_path),
@@ -98,8 +99,14 @@ def execute_plan(
                 routing=routing.describe(),
                 host_bytes_per_rank=_host_bytes(plan),
             )
-            results.append(_run_rank(spec, Path(folder)))
-    return results
+            return _run_rank(spec, Path(folder))
+
+        side_by_side = max(1, min(len(ranks), os.cpu_count() or 1))
+        pool = ThreadPoolExecutor(side_by_side)  # each thread waits on its rank's process
+        try:
+            return [done.result() for done in [pool.submit(execute, r) for r in ranks]]
+        finally:  # after a failure, no rank not yet started starts
+            pool.shutdown(cancel_futures=True)
 
 
 def _host_bytes(plan) -> int:
