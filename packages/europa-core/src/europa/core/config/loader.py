@@ -30,15 +30,20 @@ CORE_OWNER = "europa-core"
 
 
 def preset_names() -> list[str]:
+    return list(_preset_names())
+
+
+@functools.cache  # the package's files: read once (a layout search loads thousands of configs)
+def _preset_names() -> tuple[str, ...]:
     presets = resources.files("europa.core.config.presets")
-    return sorted(
-        p.name.removesuffix(".toml") for p in presets.iterdir() if p.name.endswith(".toml")
+    return tuple(
+        sorted(p.name.removesuffix(".toml") for p in presets.iterdir() if p.name.endswith(".toml"))
     )
 
 
 def _read_preset(name: str) -> dict[str, Any]:
-    if name not in preset_names():
-        raise fail("preset", name, "one of " + ", ".join(show(n) for n in preset_names()))
+    if name not in _preset_names():
+        raise fail("preset", name, "one of " + ", ".join(show(n) for n in _preset_names()))
     return copy.deepcopy(_parsed_preset(name))  # the caller's to change
 
 
@@ -63,17 +68,22 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key = key.strip()
     if not sep or not key or any(not part for part in key.split(".")):
         raise ConfigError(f"--set {show(text)}: expected KEY=VALUE, e.g. training.steps=100")
-    raw = raw.strip()
     try:
-        value = toml.loads(f"v = {raw}")["v"]
-    except toml.TOMLDecodeError:
-        value = raw
+        value = copy.deepcopy(_override_value(raw.strip()))  # the caller's to change
     except toml.IntegerRangeError as err:  # "v[2]" is the --set key's item 2
         where = toml.dotted([key, *err.path[1:]])
         raise ConfigError(f"{where} = {err.value}: expected {toml.INT64_WORDS}") from None
     except RecursionError as err:  # the cap on nested arrays and inline tables
         raise ConfigError(f"--set {show(key)}: {err}; expected a TOML value") from None
     return key.split("."), value
+
+
+@functools.lru_cache(maxsize=4096)  # a layout search parses the same overrides thousands of times
+def _override_value(raw: str) -> Any:
+    try:
+        return toml.loads(f"v = {raw}")["v"]
+    except toml.TOMLDecodeError:
+        return raw
 
 
 def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -208,7 +218,7 @@ def resolve_raw(
     """Preset ← file ← ``--set`` overrides ← ``-p`` plugins, still untyped."""
     if source is None:
         file_raw: dict[str, Any] = {}
-    elif str(source) in preset_names() and not Path(source).is_file():
+    elif str(source) in _preset_names() and not Path(source).is_file():
         file_raw = {"preset": str(source)}
     else:
         file_raw = read_toml_file(source)

@@ -102,6 +102,10 @@ class EuropaPluginManager:
         self._external: dict[str, tuple[object, str, str]] = {}
         self._builtin: dict[str, object] = {}
         self._enabled: tuple[str, ...] = ()
+        # What the registered plugins declare, worked out once per set of registrations
+        # (a layout search opens a session for each of thousands of combinations).
+        self._sections: tuple[tuple, list[ConfigSection]] = ((), [])
+        self._roles_checked: set[tuple] = set()
         for name, module_path in _BUILTIN_MODULES:
             module = importlib.import_module(module_path)
             self._pm.register(module, name=name)
@@ -194,7 +198,13 @@ class EuropaPluginManager:
             if caller.spec is not None and caller.spec.opts.get("firstresult")
         ]
 
+    def _registrations(self) -> tuple:
+        return tuple((n, id(p)) for n, p in self._pm.list_name_plugin() if p is not None)
+
     def _check_roles(self, names: Sequence[str]) -> None:
+        checked = (self._registrations(), tuple(names))
+        if checked in self._roles_checked:
+            return
         for hook_name in self._pick_one_hooks():
             providers = [n for n in names if hook_name in self._implemented(self._external[n][0])]
             if len(providers) > 1:
@@ -204,6 +214,7 @@ class EuropaPluginManager:
                     f"and {second} ({self._external[second][1]}) both implement {hook_name}; "
                     "expected one plugin per pick-one role"
                 )
+        self._roles_checked.add(checked)
 
     # -- queries ------------------------------------------------------------------------
 
@@ -219,6 +230,12 @@ class EuropaPluginManager:
 
     def config_sections(self) -> list[ConfigSection]:
         """Core tables, then each registered plugin's, tagged with the plugin's owner."""
+        registrations = self._registrations()
+        if self._sections[0] != registrations:
+            self._sections = (registrations, self._declared_sections())
+        return list(self._sections[1])
+
+    def _declared_sections(self) -> list[ConfigSection]:
         sections = list(CORE_SECTIONS)
         seen = {s.name: CORE_OWNER for s in sections}
         registered = [(n, p) for n, p in self._pm.list_name_plugin() if p is not None]
