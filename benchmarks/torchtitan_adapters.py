@@ -145,10 +145,10 @@ def _over_link(options: argparse.Namespace, out: Path) -> dict[str, Any]:
                "--steps", str(options.steps), "--warmup", str(options.warmup),
                "--rounds", str(options.rounds)]  # fmt: skip
         logs.append(out / f"link-rank{rank}.log")
-        log = logs[-1].open("w")
-        procs.append(
-            subprocess.Popen(LINK_NODES.command(node, cmd), env=env, stdout=log, stderr=log)
-        )
+        with logs[-1].open("w") as log:  # the rank's process holds its own copy
+            procs.append(
+                subprocess.Popen(LINK_NODES.command(node, cmd), env=env, stdout=log, stderr=log)
+            )
     failed = first_failure(procs, logs)
     if failed:
         raise SystemExit(f"torchtitan_adapters benchmark: the throttled-link phase: {failed}")
