@@ -7,6 +7,8 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 PACKAGES = Path(__file__).resolve().parents[1] / "packages"
@@ -49,3 +51,10 @@ def run_without_core(python: Path, code: str) -> subprocess.CompletedProcess:
         "assert not any(m.startswith('europa.core') for m in sys.modules)\n"
     )
     return subprocess.run([python, "-c", guarded], capture_output=True, text=True)
+
+
+def run_each_without_core(python: Path, codes: Sequence[str]) -> list[subprocess.CompletedProcess]:
+    """``run_without_core`` for each of ``codes``, side by side: each is a one-core process
+    that spends its first seconds importing torch (and torchtitan)."""
+    with ThreadPoolExecutor(len(codes)) as pool:
+        return list(pool.map(lambda code: run_without_core(python, code), codes))

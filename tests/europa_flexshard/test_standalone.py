@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.installs import python_with_only, run_without_core
+from tests.installs import python_with_only, run_each_without_core
 
 PACKAGE = Path(__file__).resolve().parents[2] / "packages" / "europa-flexshard"
 
@@ -82,22 +82,22 @@ def test_the_readme_loop_and_torchtitans_deepseek_v3_run_on_two_ranks(ranks):
 def test_the_package_installs_and_imports_without_core(tmp_path):
     """A fresh environment holding torch, pluggy and this package, but no europa-core."""
     python = python_with_only(tmp_path, "europa-flexshard")
-    out = run_without_core(
+    out, titan = run_each_without_core(
         python,
-        "import europa.flexshard, europa.flexshard.plugin\n"
-        "from europa.flexshard import FlexShardOptimizer, flex_shard\n"
-        "import torch\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
-        "layout = flex_shard(model)\n"
-        "model(torch.randn(3, 4)).sum().backward()\n"
-        "FlexShardOptimizer(layout, lr=0.1).step()\n"
-        "print('ok', europa.flexshard.plugin.NAME)",
+        [
+            "import europa.flexshard, europa.flexshard.plugin\n"
+            "from europa.flexshard import FlexShardOptimizer, flex_shard\n"
+            "import torch\n"
+            "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))\n"
+            "layout = flex_shard(model)\n"
+            "model(torch.randn(3, 4)).sum().backward()\n"
+            "FlexShardOptimizer(layout, lr=0.1).step()\n"
+            "print('ok', europa.flexshard.plugin.NAME)",
+            # The torchtitan section's block: torchtitan's job config, laid out by flexshard.
+            _readme_example("In torchtitan") + "\nprint(type(config).__qualname__)",
+        ],
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok flexshard"
-    # The torchtitan section's block: torchtitan's job config, laid out by flexshard.
-    titan = run_without_core(
-        python, _readme_example("In torchtitan") + "\nprint(type(config).__qualname__)"
-    )
     assert titan.returncode == 0, titan.stderr
     assert titan.stdout.strip().endswith("FlexShardTrainer.Config")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ast
 import re
 
-from tests.installs import PACKAGES, python_with_only, run_without_core
+from tests.installs import PACKAGES, python_with_only, run_each_without_core
 
 
 def _readme_example(section: str = "In your own training loop") -> str:
@@ -21,7 +21,17 @@ def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
         + _readme_example()
         + "\nimport europa.overlap.plugin\nprint('losses', losses)"
     )
-    out = run_without_core(python, code)
+    out, titan, light = run_each_without_core(
+        python,
+        [
+            code,
+            # The torchtitan section's block: torchtitan's job config, its ModelSpec wrapped.
+            _readme_example("In torchtitan")
+            + "\nprint(config.model_spec.parallelize_fn.__qualname__)",
+            # Every europa command imports the plugin module: it must not pull in torch.
+            "import sys, europa.overlap.plugin\nassert 'torch' not in sys.modules",
+        ],
+    )
     assert out.returncode == 0, out.stderr
     lines = out.stdout.strip().splitlines()
     assert len([line for line in lines if line.startswith("step ")]) == 4
@@ -29,15 +39,6 @@ def test_the_readme_loop_runs_with_torch_and_this_package_alone(tmp_path):
     assert len((trace / "overlap" / "timeline-rank0.jsonl").read_text().splitlines()) == 4
     losses = ast.literal_eval(lines[-1].removeprefix("losses "))
     assert losses[-1] < losses[0]
-    # The torchtitan section's block: torchtitan's job config, its ModelSpec wrapped.
-    titan = run_without_core(
-        python,
-        _readme_example("In torchtitan") + "\nprint(config.model_spec.parallelize_fn.__qualname__)",
-    )
     assert titan.returncode == 0, titan.stderr
     assert titan.stdout.strip().endswith("with_overlap.<locals>.parallelize_then_overlap")
-    # Every europa command imports the plugin module: it must not pull in torch.
-    light = run_without_core(
-        python, "import sys, europa.overlap.plugin\nassert 'torch' not in sys.modules"
-    )
     assert light.returncode == 0, light.stderr
