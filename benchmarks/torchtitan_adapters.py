@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -204,8 +205,6 @@ def main() -> None:
     finally:
         if options.rate_mbit:
             teardown(LINK_NODES)
-        import shutil
-
         shutil.rmtree(out, ignore_errors=True)
     if options.json:
         print(json.dumps(report, indent=2))
