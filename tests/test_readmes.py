@@ -101,7 +101,9 @@ def test_the_front_page_pins_no_figure_to_a_commit_and_counts_no_tests():
     assert not re.findall(r"\b\d+ (?:tests|passed)\b", text)
     picture = re.search(r"## Packages\n.*?```text\n(.*?)```", text, re.S).group(1)
     layers = [line.split()[0] for line in picture.splitlines()]
-    assert layers == ["europa-cli", "europa-core", "europa-flexshard", "europa-spec", "torch,"]
+    assert layers == [
+        "europa-cli", "europa-core", "europa-flexshard", "europa-plan", "europa-spec", "torch,"
+    ]  # fmt: skip
 
 
 def test_github_slugs():
@@ -176,8 +178,14 @@ def test_the_report_readme_snippet_runs():
     assert namespace["page"].is_file()
 
 
+def test_the_planner_readme_plans_a_published_run(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    _run(_readme_snippet("europa-plan"), "europa-plan/README.md", {})
+    assert "tp1" in capsys.readouterr().out
+
+
 def test_every_package_readme_has_one_snippet_that_a_test_runs():
-    tested = {"europa-core", "europa-cli", "europa-report", "europa-spec"}  # here, test_contract
+    tested = {"europa-core", "europa-cli", "europa-report", "europa-spec", "europa-plan"}
     standalone = {"europa-flexshard", "europa-offload", "europa-overlap"}  # test_standalone
     packages = {p.parent.name for p in (ROOT / "packages").glob("*/README.md")}
     assert packages == tested | standalone

@@ -9,6 +9,7 @@ two modules together), except those under ``if TYPE_CHECKING:``."""
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 PACKAGES = Path(__file__).resolve().parents[2] / "packages"
@@ -131,6 +132,25 @@ def test_the_report_imports_only_itself_and_the_contract():
     for module, targets in _package_imports(_graph(), "europa.report").items():
         bad = [t for t in targets if not t.startswith(("europa.report", "europa.spec"))]
         assert not bad, f"{module} imports {bad}"
+
+
+def test_the_planner_package_imports_only_itself_and_the_standard_library():
+    """europa-plan installs alone and starts in a blink: no torch, no other europa package
+    (europa-spec's distribution needs torch), nothing beyond the standard library."""
+    plan = PACKAGES / "europa-plan" / "src" / "europa" / "plan"
+    for path in sorted(plan.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                top = name.partition(".")[0]
+                own = name == "europa.plan" or name.startswith("europa.plan.")
+                assert own or (top in sys.stdlib_module_names and top != "europa"), (path, name)
+    assert "europa.plan.reader" in _graph()["europa.plan.builtin"]
 
 
 def test_the_graph_sees_the_imports_it_checks():

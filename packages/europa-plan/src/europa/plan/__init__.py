@@ -1,0 +1,23 @@
+"""europa-plan: plan a training run from a TOML file, with the standard library only.
+
+A runs file (``[[gpu]]``, ``[[model]]``, ``[[run]]`` tables) is read into immutable
+records (``europa.plan.record``) and checked (``europa.plan.reader``); each run is then
+counted: its FLOPs per token in its source's convention and as the GPUs execute them
+(``europa.plan.flops``) and its memory per GPU (``europa.plan.memory``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from europa.plan.builtin import builtin_gpus, builtin_models
+from europa.plan.errors import PlanInputError
+from europa.plan.reader import RunsFile, read_runs
+
+
+def load_runs(path: str | Path) -> RunsFile:
+    """A runs file, read and checked, knowing europa-plan's built-in GPUs and models."""
+    return read_runs(path, builtin_gpus(), builtin_models())
+
+
+__all__ = ["PlanInputError", "RunsFile", "load_runs"]

@@ -1,0 +1,5 @@
+import sys
+
+from europa.plan.cli import main
+
+sys.exit(main())

@@ -1,0 +1,38 @@
+"""A run's plan: what the planner works out for one run, as plain data (the command
+prints it as a table or JSON; ``benchmarks/published_runs.py`` compares it with the
+published figures)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from europa.plan.record import Run
+
+
+def layout_text(run: Run) -> str:
+    lay = run.layout
+    parts = [f"tp{lay.tp}" + ("+sp" if lay.sequence_parallel else ""), f"cp{lay.cp}"]
+    parts.append(f"pp{lay.pp}" + (f"×vp{lay.vp}" if lay.vp > 1 else "") + f" {lay.schedule}")
+    parts.append(f"dp{lay.dp} {lay.dp_kind}" + (f"/{lay.dp_shard}" if lay.dp_shard else ""))
+    if run.model.moe:
+        parts.append(f"ep{lay.ep} etp{lay.etp}")
+    rc = lay.recompute
+    parts.append(
+        "recompute " + (rc.kind if rc.kind != "selective" else ",".join(sorted(rc.modules)))
+    )
+    return " ".join(parts)
+
+
+def plan_run(run: Run) -> dict[str, Any]:
+    """The plan of one run, JSON-ready."""
+    return {
+        "id": run.id,
+        "model": run.model.id,
+        "gpu": run.gpu.id,
+        "gpus": run.gpus,
+        "precision": run.precision,
+        "layout": layout_text(run),
+        "micro_batches": run.micro_batches,
+        "tokens_per_step": run.tokens_per_step,
+        "assumed": list(run.assumed),
+    }

@@ -1,0 +1,451 @@
+"""Reading a runs file (``[[gpu]]``, ``[[model]]`` and ``[[run]]`` tables, the format of
+``benchmarks/published_runs.toml``) into ``europa.plan.record``'s records.
+
+Everything is checked before anything is computed, and each refusal is one
+``PlanInputError`` line naming the file, the table, the key, the value and what was
+expected: an unknown key anywhere, a wrong type, a missing or unknown model or gpu, a
+layout that does not multiply out or divide. A ``model`` or ``gpu`` may name a built-in
+(``europa.plan.builtin``); a table of the file with the same ``id`` replaces it.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from europa.plan.errors import PlanInputError
+from europa.plan.record import (
+    DP_KINDS,
+    FAMILIES,
+    FLOPS_CONVENTIONS,
+    OPTIMIZERS,
+    PRECISION_PEAK,
+    RECOMPUTE_MODULES,
+    ROUTINGS,
+    SCHEDULES,
+    Gpu,
+    Layout,
+    Model,
+    Published,
+    Recompute,
+    Run,
+)
+
+
+@dataclass(frozen=True)
+class RunsFile:
+    """What a runs file defines: its GPUs and models (built-ins included) and its runs."""
+
+    gpus: Mapping[str, Gpu]
+    models: Mapping[str, Model]
+    runs: tuple[Run, ...]
+
+    def run(self, run_id: str) -> Run:
+        for run in self.runs:
+            if run.id == run_id:
+                return run
+        known = ", ".join(r.id for r in self.runs)
+        raise PlanInputError(f'--run "{run_id}": no such run; expected one of: {known}')
+
+
+# --- value checks: each returns the value or raises with what was expected ----------------
+
+
+class _Bad(Exception):
+    """A value that is not what its key expects (the reader adds where it is)."""
+
+
+def _int(minimum: int) -> Callable[[Any], int]:
+    def check(value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            raise _Bad("a positive integer" if minimum == 1 else f"an integer ≥ {minimum}")
+        return value
+
+    return check
+
+
+def _number(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise _Bad("a positive number")
+    return float(value)
+
+
+def _text(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Bad("a non-empty string")
+    return value
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad("true or false")
+    return value
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str]:
+    def check(value: Any) -> str:
+        if value not in choices:
+            raise _Bad("one of " + ", ".join(f'"{c}"' for c in choices))
+        return value
+
+    return check
+
+
+def _peaks(value: Any) -> MappingProxyType[str, float]:
+    if not isinstance(value, dict) or not value:
+        raise _Bad("a table of dense TFLOP/s by precision, e.g. { bfloat16 = 989.0 }")
+    out = {}
+    for name, peak in value.items():
+        try:
+            out[name] = _number(peak)
+        except _Bad:
+            raise _Bad(f"a positive number for {name}") from None
+    return MappingProxyType(out)
+
+
+def _recompute(value: Any) -> Recompute:
+    if value in ("none", "full"):
+        return Recompute(kind=value)
+    if isinstance(value, list) and value and all(m in RECOMPUTE_MODULES for m in value):
+        return Recompute(kind="selective", modules=frozenset(value))
+    raise _Bad('"none", "full" or a list of modules from ' + ", ".join(RECOMPUTE_MODULES))
+
+
+PUBLISHED_KEYS = {"tokens_per_s_per_gpu": _number, "step_s": _number, "tflops_per_gpu": _number}
+PUBLISHED_KEYS["mfu"] = _number
+
+
+def _published(value: Any) -> Published:
+    if not isinstance(value, dict):
+        raise _Bad("a table with any of " + ", ".join(PUBLISHED_KEYS))
+    unknown = sorted(set(value) - set(PUBLISHED_KEYS))
+    if unknown:
+        raise _Bad(f"no key {unknown[0]}: expected only " + ", ".join(PUBLISHED_KEYS))
+    try:
+        return Published(**{k: PUBLISHED_KEYS[k](v) for k, v in value.items()})
+    except _Bad as bad:
+        raise _Bad(f"{bad} in each figure") from None
+
+
+# --- the keys of each table: name -> check (required keys first) --------------------------
+
+POSITIVE, COUNT = _int(1), _int(0)
+GPU_REQUIRED = {
+    "id": _text,
+    "peak_tflops": _peaks,
+    "hbm_gb": _number,
+    "hbm_tbps": _number,
+    "gpus_per_node": POSITIVE,
+    "nvlink_gbps": _number,
+    "network_gbps": _number,
+}
+GPU_OPTIONAL = {"source": _text}
+
+MODEL_REQUIRED = {
+    "id": _text,
+    "family": _one_of(FAMILIES),
+    "n_layers": POSITIVE,
+    "dim": POSITIVE,
+    "n_heads": POSITIVE,
+    "vocab_size": POSITIVE,
+}
+MODEL_OPTIONAL = {"tied_embeddings": _flag, "source": _text}
+_MOE_REQUIRED = {"moe_hidden_dim": POSITIVE, "num_experts": POSITIVE, "top_k": POSITIVE}
+_MOE_OPTIONAL = {
+    "num_shared_experts": COUNT,
+    "n_dense_layers": COUNT,
+    "dense_hidden_dim": POSITIVE,
+    "mtp_modules": COUNT,
+}
+_GQA = {"n_kv_heads": POSITIVE, "head_dim": POSITIVE}
+FAMILY_REQUIRED = {
+    "mla-moe": {
+        "q_lora_rank": COUNT,
+        "kv_lora_rank": POSITIVE,
+        "qk_nope_head_dim": POSITIVE,
+        "qk_rope_head_dim": POSITIVE,
+        "v_head_dim": POSITIVE,
+        **_MOE_REQUIRED,
+    },
+    "gqa-moe": {**_GQA, **_MOE_REQUIRED},
+    "gqa-dense": {**_GQA, "ffn_hidden_dim": POSITIVE},
+}
+FAMILY_OPTIONAL = {
+    "mla-moe": _MOE_OPTIONAL,
+    "gqa-moe": {**_MOE_OPTIONAL, "qk_norm": _flag},
+    "gqa-dense": {"qk_norm": _flag, "mtp_modules": COUNT},
+}
+
+RUN_REQUIRED = {
+    "id": _text,
+    "model": _text,
+    "gpu": _text,
+    "gpus": POSITIVE,
+    "precision": _one_of(tuple(PRECISION_PEAK)),
+    "seq_len": POSITIVE,
+    "global_batch": POSITIVE,
+}
+# Optional run keys and what the planner takes where the file leaves one out (None: worked
+# out from the others). Each one filled in is listed in the run's ``assumed``.
+RUN_OPTIONAL: dict[str, tuple[Callable[[Any], Any], Any]] = {
+    "micro_batch": (POSITIVE, 1),
+    "tp": (POSITIVE, 1),
+    "sequence_parallel": (_flag, None),  # on wherever tp > 1
+    "cp": (POSITIVE, 1),
+    "pp": (POSITIVE, 1),
+    "vp": (POSITIVE, 1),
+    "pipeline_schedule": (_one_of(SCHEDULES), None),  # interleaved with vp > 1, else 1f1b
+    "dp": (POSITIVE, None),  # gpus / (tp × cp × pp)
+    "optimizer_sharding": (_one_of(DP_KINDS), "ddp"),
+    "dp_shard": (POSITIVE, None),
+    "ep": (POSITIVE, 1),
+    "etp": (POSITIVE, 1),
+    "recompute": (_recompute, "none"),
+    "optimizer": (_one_of(OPTIMIZERS), "adam"),
+    "routing": (_one_of(ROUTINGS), "balanced"),
+    "flops_convention": (_one_of(tuple(FLOPS_CONVENTIONS)), "megatron"),
+    "published": (_published, None),
+    "source": (_text, None),
+    "quote": (_text, None),
+    "notes": (_text, None),
+}
+# Said about a run whether or not the file states them: defaults here are not assumptions.
+NOT_ASSUMED = {"published", "source", "quote", "notes", "dp_shard", "sequence_parallel"}
+
+
+# --- the reader ---------------------------------------------------------------------------
+
+
+class Where:
+    """Where a refusal points: the file and the table."""
+
+    def __init__(self, path: str, table: str) -> None:
+        self.path, self.table = path, table
+
+    def error(self, key: str, value: Any, expected: str) -> PlanInputError:
+        shown = value if isinstance(value, int | float) else f'"{value}"'
+        if isinstance(value, dict | list):
+            shown = str(value)
+        return PlanInputError(f"{self.path}: {self.table}: {key} = {shown}: expected {expected}")
+
+    def fields(
+        self, table: Mapping[str, Any], required: Mapping, optional: Mapping
+    ) -> dict[str, Any]:
+        """The table's keys, each checked; unknown and missing keys refused."""
+        for key in table:
+            if key not in required and key not in optional:
+                known = ", ".join([*required, *optional])
+                raise PlanInputError(
+                    f"{self.path}: {self.table}: unknown key {key}: expected one of {known}"
+                )
+        for key in required:
+            if key not in table:
+                raise PlanInputError(f"{self.path}: {self.table}: missing key {key}")
+        out = {}
+        for key, value in table.items():
+            check = required.get(key) or optional[key]
+            check = check[0] if isinstance(check, tuple) else check
+            try:
+                out[key] = check(value)
+            except _Bad as bad:
+                raise self.error(key, value, str(bad)) from None
+        return out
+
+
+def _load(path: Path) -> dict[str, Any]:
+    try:
+        raw = path.read_bytes()
+    except OSError as err:
+        raise PlanInputError(f"{path}: cannot be read: {err.strerror}") from None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise PlanInputError(
+            f"{path}: not UTF-8: byte {err.start} is {raw[err.start]:#04x}"
+        ) from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as err:
+        raise PlanInputError(f"{path}: not TOML: {err}") from None
+
+
+def _tables(path: Path, data: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    tables = data.get(name, [])
+    if not isinstance(tables, list) or not all(isinstance(t, dict) for t in tables):
+        raise PlanInputError(f"{path}: {name}: expected [[{name}]] tables")
+    return tables
+
+
+def _id(path: Path, kind: str, index: int, table: dict[str, Any]) -> str:
+    value = table.get("id")
+    if not isinstance(value, str) or not value:
+        raise PlanInputError(f"{path}: {kind} #{index + 1}: id = {value!r}: expected a string")
+    return value
+
+
+def read_gpu(where: Where, table: Mapping[str, Any]) -> Gpu:
+    return Gpu(**where.fields(table, GPU_REQUIRED, GPU_OPTIONAL))
+
+
+def read_model(where: Where, table: Mapping[str, Any]) -> Model:
+    family = table.get("family")
+    if family not in FAMILIES:
+        raise where.error("family", family, "one of " + ", ".join(f'"{f}"' for f in FAMILIES))
+    required = {**MODEL_REQUIRED, **FAMILY_REQUIRED[family]}
+    values = where.fields(table, required, {**MODEL_OPTIONAL, **FAMILY_OPTIONAL[family]})
+    if "dense_hidden_dim" in values:
+        values["ffn_hidden_dim"] = values.pop("dense_hidden_dim")
+    model = Model(**values)
+    if model.moe:
+        if model.top_k > model.num_experts:
+            expected = f"at most num_experts = {model.num_experts}"
+            raise where.error("top_k", model.top_k, expected)
+        if model.n_dense_layers >= model.n_layers:
+            expected = f"fewer than n_layers = {model.n_layers}"
+            raise where.error("n_dense_layers", model.n_dense_layers, expected)
+        if model.n_dense_layers and not model.ffn_hidden_dim:
+            raise PlanInputError(
+                f"{where.path}: {where.table}: missing key dense_hidden_dim "
+                f"(n_dense_layers = {model.n_dense_layers})"
+            )
+    if model.family != "mla-moe" and model.n_heads % model.n_kv_heads:
+        expected = f"a divisor of n_heads = {model.n_heads}"
+        raise where.error("n_kv_heads", model.n_kv_heads, expected)
+    return model
+
+
+def read_run(
+    where: Where, table: Mapping[str, Any], gpus: Mapping[str, Gpu], models: Mapping[str, Model]
+) -> Run:
+    values = where.fields(table, RUN_REQUIRED, RUN_OPTIONAL)
+    model = models.get(values["model"])
+    if model is None:
+        raise where.error(
+            "model", values["model"], "a [[model]] id or built-in: " + ", ".join(models)
+        )
+    gpu = gpus.get(values["gpu"])
+    if gpu is None:
+        raise where.error("gpu", values["gpu"], "a [[gpu]] id or built-in: " + ", ".join(gpus))
+    assumed = [k for k in RUN_OPTIONAL if k not in values and k not in NOT_ASSUMED]
+    get = lambda key: values.get(key, RUN_OPTIONAL[key][1])  # noqa: E731
+    tp, cp, pp, vp = get("tp"), get("cp"), get("pp"), get("vp")
+    dp = values.get("dp") or max(1, values["gpus"] // (tp * cp * pp))
+    schedule = get("pipeline_schedule") or ("interleaved" if vp > 1 else "1f1b")
+    layout = Layout(
+        tp=tp,
+        sequence_parallel=values.get("sequence_parallel", tp > 1),
+        cp=cp,
+        pp=pp,
+        vp=vp,
+        schedule=schedule,
+        dp=dp,
+        dp_kind=get("optimizer_sharding"),
+        dp_shard=values.get("dp_shard", 0),
+        ep=get("ep"),
+        etp=get("etp"),
+        recompute=get("recompute") if isinstance(get("recompute"), Recompute) else Recompute(),
+    )
+    run = Run(
+        id=values["id"],
+        model=model,
+        gpu=gpu,
+        gpus=values["gpus"],
+        precision=values["precision"],
+        seq_len=values["seq_len"],
+        global_batch=values["global_batch"],
+        micro_batch=get("micro_batch"),
+        layout=layout,
+        optimizer=get("optimizer"),
+        routing=get("routing"),
+        flops_convention=get("flops_convention"),
+        published=values.get("published") or Published(),
+        assumed=tuple(assumed),
+        source=values.get("source"),
+        quote=values.get("quote"),
+        notes=values.get("notes"),
+    )
+    check_run(where, run)
+    return run
+
+
+def check_run(where: Where, run: Run) -> None:
+    """The layout against the model, the GPU count and the batch."""
+    lay, model = run.layout, run.model
+    if lay.gpus != run.gpus:
+        product = f"tp × cp × pp × dp = {lay.tp} × {lay.cp} × {lay.pp} × {lay.dp} = {lay.gpus}"
+        raise where.error("dp", lay.dp, f"{product} to equal gpus = {run.gpus}")
+    group = lay.tp * lay.cp * lay.dp
+    if model.moe and (group % (lay.ep * lay.etp) or model.num_experts % lay.ep):
+        raise where.error(
+            "ep",
+            lay.ep,
+            f"ep × etp (etp = {lay.etp}) to divide a stage's tp × cp × dp = {group} ranks "
+            f"and ep to divide num_experts = {model.num_experts}",
+        )
+    if not model.moe and (lay.ep > 1 or lay.etp > 1):
+        raise where.error("ep", lay.ep, f"1: model {model.id} has no experts")
+    if lay.pp > model.n_layers:
+        raise where.error("pp", lay.pp, f"at most n_layers = {model.n_layers}")
+    held = lay.layers_per_stage(model.n_layers)
+    if held % lay.vp:
+        expected = f"a divisor of the {held} layers the fullest of pp = {lay.pp} stages holds"
+        raise where.error("vp", lay.vp, expected)
+    if lay.schedule in ("zbv", "dualpipev") and lay.vp != 2:
+        raise where.error("vp", lay.vp, f"2: the {lay.schedule} schedule holds two stages a rank")
+    if lay.vp > 1 and lay.schedule == "1f1b":
+        raise where.error("pipeline_schedule", "1f1b", "a schedule with virtual stages (vp > 1)")
+    kv_heads = model.n_heads if model.mla else model.n_kv_heads
+    if model.n_heads % lay.tp or kv_heads % lay.tp:
+        raise where.error("tp", lay.tp, f"a divisor of the model's {kv_heads} key/value heads")
+    if run.seq_len % (2 * lay.cp if lay.cp > 1 else 1):
+        raise where.error("seq_len", run.seq_len, f"a multiple of 2 × cp = {2 * lay.cp}")
+    per_step = run.micro_batch * lay.dp
+    if run.global_batch % per_step:
+        expected = f"a multiple of micro_batch × dp = {run.micro_batch} × {lay.dp} = {per_step}"
+        raise where.error("global_batch", run.global_batch, expected)
+    if lay.dp_kind == "hsdp" and (not lay.dp_shard or lay.dp % lay.dp_shard):
+        raise where.error("dp_shard", lay.dp_shard or "(missing)", f"a divisor of dp = {lay.dp}")
+    if lay.dp_kind != "hsdp" and lay.dp_shard:
+        raise where.error("dp_shard", lay.dp_shard, 'no value unless optimizer_sharding = "hsdp"')
+    peak = PRECISION_PEAK[run.precision]
+    if peak not in run.gpu.peak_tflops:
+        raise where.error(
+            "precision", run.precision, f"a precision gpu {run.gpu.id} has a peak for "
+            f"(peak_tflops.{peak} is not given)"
+        )  # fmt: skip
+
+
+def read_runs(
+    path: str | Path, builtin_gpus: Mapping[str, Gpu], builtin_models: Mapping[str, Model]
+) -> RunsFile:
+    """Read and check a whole runs file, which may name the built-in GPUs and models or
+    replace them (``europa.plan.load_runs`` passes europa-plan's own)."""
+    path = Path(path)
+    data = _load(path)
+    for key in data:
+        if key not in ("gpu", "model", "run"):
+            raise PlanInputError(
+                f"{path}: unknown key {key} at the top: "
+                "expected [[gpu]], [[model]] and [[run]] tables"
+            )
+    gpus, models = dict(builtin_gpus), dict(builtin_models)
+    for kind, known, read in (("gpu", gpus, read_gpu), ("model", models, read_model)):
+        seen: set[str] = set()
+        for index, table in enumerate(_tables(path, data, kind)):
+            name = _id(path, kind, index, table)
+            if name in seen:
+                raise PlanInputError(f'{path}: {kind} "{name}": id defined twice')
+            seen.add(name)
+            known[name] = read(Where(str(path), f'{kind} "{name}"'), table)
+    runs, seen = [], set()
+    for index, table in enumerate(_tables(path, data, "run")):
+        name = _id(path, "run", index, table)
+        if name in seen:
+            raise PlanInputError(f'{path}: run "{name}": id defined twice')
+        seen.add(name)
+        runs.append(read_run(Where(str(path), f'run "{name}"'), table, gpus, models))
+    return RunsFile(MappingProxyType(gpus), MappingProxyType(models), tuple(runs))
