@@ -37,10 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"europa-plan: error: {err}", file=sys.stderr)
         return USAGE_ERROR
     plans = [plan_run(run) for run in runs]
-    if args.json:
-        print(json.dumps({"runs": plans}, indent=2))
-    else:
-        print(plans_table(plans))
+    text = json.dumps({"runs": plans}, indent=2) if args.json else plans_table(plans)
+    try:
+        print(text)
+    except BrokenPipeError:  # e.g. piped into head: the reader has what it wanted
+        sys.stderr.close()
     return 0
 
 

@@ -6,7 +6,33 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.plan.record import Run
+from europa.plan.flops import executed_flops, source_flops_per_token
+from europa.plan.record import FLOPS_CONVENTIONS, Run
+
+GIGA = 1e9
+
+
+def flops_plan(run: Run) -> dict[str, Any]:
+    """FLOPs per token (GFLOP): the source's count against ours in its convention, and
+    what the GPUs execute by kind."""
+    source = run.published.flops_per_token
+    planned = source_flops_per_token(run)
+    executed = executed_flops(run)
+    kinds = ("dense_gemm", "expert_gemm", "attention", "other", "recompute")
+    return {
+        "flops_per_token": {
+            "convention": run.flops_convention,
+            "counts": FLOPS_CONVENTIONS[run.flops_convention],
+            "source": None if source is None else source / GIGA,
+            "planned": planned / GIGA,
+            "ratio": None if source is None else planned / source,
+        },
+        "executed_flops_per_token": {
+            **{kind: getattr(executed, kind) / GIGA for kind in kinds},
+            "total": executed.total / GIGA,
+        },
+        "executed_tflop_per_gpu_step": executed.total * run.tokens_per_step / run.gpus / 1e12,
+    }
 
 
 def layout_text(run: Run) -> str:
@@ -35,4 +61,5 @@ def plan_run(run: Run) -> dict[str, Any]:
         "micro_batches": run.micro_batches,
         "tokens_per_step": run.tokens_per_step,
         "assumed": list(run.assumed),
+        **flops_plan(run),
     }

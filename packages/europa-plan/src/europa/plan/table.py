@@ -17,6 +17,21 @@ def plan_block(plan: dict[str, Any]) -> str:
     lines.append(_line("layout", plan["layout"]))
     lines.append(_line("batch", f"{plan['tokens_per_step']:,} tokens a step, "
                                 f"{plan['micro_batches']} micro-batches a pipeline"))  # fmt: skip
+    flops = plan["flops_per_token"]
+    counted = f"{flops['planned']:.1f} GFLOP a token ({flops['convention']})"
+    if flops["source"] is not None:
+        counted += f", source {flops['source']:.1f}: ratio {flops['ratio']:.3f}"
+    lines.append(_line("model FLOPs", counted))
+    ex = plan["executed_flops_per_token"]
+    lines.append(
+        _line(
+            "executed",
+            f"{ex['total']:.1f} GFLOP a token: dense GEMMs {ex['dense_gemm']:.1f}, "
+            f"experts {ex['expert_gemm']:.1f}, attention {ex['attention']:.1f}, "
+            f"other {ex['other']:.2f} (recompute {ex['recompute']:.1f}); "
+            f"{plan['executed_tflop_per_gpu_step']:,.0f} TFLOP a GPU a step",
+        )
+    )
     if plan["assumed"]:
         lines.append(_line("assumed", "left out, planner's default: " + ", ".join(plan["assumed"])))
     return "\n".join(lines)

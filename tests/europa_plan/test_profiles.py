@@ -1,0 +1,35 @@
+"""The built-in hardware profiles: every GPU the issue names, each figure present and
+cited, dense peaks (half NVIDIA's sparse table figures), an NVL72 rack one node of 72."""
+
+from __future__ import annotations
+
+import pytest
+
+from europa.plan.builtin import builtin_gpus, builtin_models
+
+NAMED = {"h800-sxm", "h100-sxm", "h200", "gh200-jupiter", "b200", "gb200-nvl72", "gb300-nvl72"}
+
+
+def test_every_named_gpu_is_built_in_with_its_sources():
+    gpus = builtin_gpus()
+    assert set(gpus) >= NAMED
+    for gpu in gpus.values():
+        assert gpu.source and gpu.peak_tflops["bfloat16"] > 0, gpu.id
+        # FP8 runs twice BF16's rate (989 is 1979 / 2 rounded down, as NVIDIA prints it)
+        assert gpu.peak_tflops["float8"] == pytest.approx(2 * gpu.peak_tflops["bfloat16"], 1e-3)
+        assert gpu.hbm_gb > 0 and gpu.hbm_tbps > 0 and gpu.network_gbps < gpu.nvlink_gbps
+
+
+def test_the_figures_that_set_the_seed_and_the_blackwell_racks():
+    gpus = builtin_gpus()
+    jupiter = gpus["gh200-jupiter"]
+    assert (jupiter.gpus_per_node, jupiter.hbm_gb, jupiter.network_gbps) == (4, 96, 25.0)
+    for rack in ("gb200-nvl72", "gb300-nvl72"):
+        assert gpus[rack].gpus_per_node == 72 and "mxfp8" in gpus[rack].peak_tflops
+    assert "mxfp8" not in gpus["h100-sxm"].peak_tflops  # Hopper has no MX formats
+    assert gpus["h800-sxm"].nvlink_gbps < gpus["h100-sxm"].nvlink_gbps
+
+
+def test_kimi_k2_is_built_in_with_its_published_shape():
+    kimi = builtin_models()["kimi-k2"]
+    assert (kimi.n_layers, kimi.num_experts, kimi.top_k, kimi.vocab_size) == (61, 384, 8, 163840)
