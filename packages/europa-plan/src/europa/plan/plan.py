@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from europa.plan.flops import executed_flops, source_flops_per_token
+from europa.plan.memory import hbm_gib, plan_memory
 from europa.plan.record import FLOPS_CONVENTIONS, Run
 
 GIGA = 1e9
@@ -49,6 +50,22 @@ def layout_text(run: Run) -> str:
     return " ".join(parts)
 
 
+def memory_plan(run: Run) -> dict[str, Any]:
+    """GiB per GPU on the pipeline rank that needs the most, by part, against its HBM."""
+    memory = plan_memory(run)
+    parts = ("weights", "gradients", "optimizer", "activations", "buffers")
+    return {
+        "memory_gib": {
+            "planned": memory.total,
+            "hbm": hbm_gib(run),
+            **{part: getattr(memory, part) for part in parts},
+            "rank": memory.rank,
+            "micro_batches_in_flight": memory.micro_batches_in_flight,
+        },
+        "fits": memory.total <= hbm_gib(run),
+    }
+
+
 def plan_run(run: Run) -> dict[str, Any]:
     """The plan of one run, JSON-ready."""
     return {
@@ -62,4 +79,5 @@ def plan_run(run: Run) -> dict[str, Any]:
         "tokens_per_step": run.tokens_per_step,
         "assumed": list(run.assumed),
         **flops_plan(run),
+        **memory_plan(run),
     }

@@ -27,6 +27,9 @@ SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev", "dualpipe")
 # within groups of ``dp_shard``, replicated across them.
 DP_KINDS = ("ddp", "zero1", "fsdp", "hsdp")
 OPTIMIZERS = ("adam", "muon")
+# float32: bf16 weights with a fp32 master copy, fp32 gradients and moments (Megatron,
+# torchtitan); bfloat16: the bf16 weights trained directly, bf16 gradients and moments.
+STATE_DTYPES = ("float32", "bfloat16")
 ROUTINGS = ("balanced", "learned")
 # How a source counts its "model FLOPs" (``europa.plan.flops`` says what each counts).
 FLOPS_CONVENTIONS = MappingProxyType(
@@ -188,6 +191,7 @@ class Run:
     micro_batch: int
     layout: Layout
     optimizer: str = "adam"
+    state_dtype: str = "float32"  # of master weights, gradients and moments (``STATE_DTYPES``)
     routing: str = "balanced"
     flops_convention: str = "megatron"
     published: Published = field(default_factory=Published)

@@ -32,6 +32,18 @@ def plan_block(plan: dict[str, Any]) -> str:
             f"{plan['executed_tflop_per_gpu_step']:,.0f} TFLOP a GPU a step",
         )
     )
+    mem = plan["memory_gib"]
+    verdict = "fits" if plan["fits"] else "DOES NOT FIT"
+    lines.append(
+        _line(
+            "memory a GPU",
+            f"{mem['planned']:.1f} of {mem['hbm']:.0f} GiB, {verdict} (pipeline rank "
+            f"{mem['rank']}): weights {mem['weights']:.1f}, gradients {mem['gradients']:.1f}, "
+            f"optimizer {mem['optimizer']:.1f}, activations {mem['activations']:.1f} "
+            f"({mem['micro_batches_in_flight']:g} micro-batches in flight), "
+            f"buffers {mem['buffers']:.1f}",
+        )
+    )
     if plan["assumed"]:
         lines.append(_line("assumed", "left out, planner's default: " + ", ".join(plan["assumed"])))
     return "\n".join(lines)

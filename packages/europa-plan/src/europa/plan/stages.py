@@ -1,0 +1,63 @@
+"""Which layers each pipeline rank holds, and how many micro-batches' activations it
+keeps at once under the run's schedule."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from europa.plan.record import Run
+
+
+@dataclass(frozen=True)
+class RankStage:
+    """One pipeline rank's share of the model."""
+
+    rank: int
+    layers: tuple[int, ...]  # indices into the model's layers (MTP modules after them)
+    embedding: bool
+    head: bool  # the output head, its loss and the MTP modules
+
+    def dense_layers(self, n_dense: int) -> int:
+        return sum(1 for i in self.layers if i < n_dense)
+
+
+def rank_stages(run: Run) -> tuple[RankStage, ...]:
+    """Layers are cut into pp × vp chunks in order, as evenly as they go: a chunk with one
+    layer more sits in the middle (the first and the last also hold the embedding and
+    the head), and chunk c runs on rank c mod pp."""
+    lay, n_layers = run.layout, run.model.n_layers
+    chunks = lay.pp * lay.vp
+    base, extra = divmod(n_layers, chunks)
+    sizes = [base + (1 if 0 < c <= extra else 0) for c in range(chunks)]
+    if extra == chunks - 1:  # every chunk but one has one more: the first is the short one
+        sizes = [base, *[base + 1] * (chunks - 1)]
+    held: list[list[int]] = [[] for _ in range(lay.pp)]
+    start = 0
+    for chunk, size in enumerate(sizes):
+        held[chunk % lay.pp].extend(range(start, start + size))
+        start += size
+    return tuple(
+        RankStage(rank, tuple(held[rank]), embedding=rank == 0, head=rank == lay.pp - 1)
+        for rank in range(lay.pp)
+    )
+
+
+def micro_batches_in_flight(run: Run, rank: int) -> float:
+    """Micro-batches whose activations rank ``rank`` holds at its peak, in units of one
+    micro-batch through all of the rank's layers.
+
+    1F1B: pp − rank (warm-up, then one in, one out). Interleaved (Megatron):
+    2(pp − rank − 1) + (vp − 1)·pp + 1 chunk-sized micro-batches, a chunk being 1/vp of the
+    rank's layers. ZBV holds pp; DualPipe and DualPipeV pp + 1 (DeepSeek-V3 report, s3.2.1).
+    None more than the step's micro-batches."""
+    lay, micro = run.layout, run.micro_batches
+    if lay.pp == 1:
+        return 1.0
+    if lay.schedule == "1f1b":
+        return float(min(micro, lay.pp - rank))
+    if lay.schedule == "interleaved":
+        chunks = min(micro * lay.vp, 2 * (lay.pp - rank - 1) + (lay.vp - 1) * lay.pp + 1)
+        return chunks / lay.vp
+    if lay.schedule == "zbv":
+        return float(min(micro, lay.pp))
+    return float(min(micro, lay.pp + 1))  # dualpipe, dualpipev
