@@ -5,8 +5,9 @@ their ratio; the FLOPs the GPUs execute, by kind; memory per GPU, by part, again
     python benchmarks/published_runs.py [--runs FILE] [--json]
 
 Runs in well under a second: the plan is arithmetic (europa-plan, the standard library
-only). Every figure of ours is a prediction; the source's figure is the check. Part 2 of
-the planner adds a step time beside these (``time`` is reserved in each run's JSON).
+only). Every figure of ours is a prediction; the source's figure is the check. ``time``
+holds the step's compute so far (a lower bound: communication and the pipeline's bubble
+are not in it yet) beside the published step.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def compare(runs_file: Path) -> dict:
                 "fits": plan["fits"],
                 "assumed": plan["assumed"],
                 "published": {k: v for k, v in vars(run.published).items() if v is not None},
-                "time": None,
+                "time": plan["time"],
             }
         )
     ratios = [r["flops_per_token"]["ratio"] for r in runs if r["flops_per_token"]["ratio"]]
@@ -56,15 +57,24 @@ def compare(runs_file: Path) -> dict:
     }
 
 
+def _seconds(value: float | None) -> str:
+    return f"{'-':>7}" if value is None else f"{value:>7.2f}"
+
+
 def _table(result: dict) -> str:
-    lines = [f"{'run':<50} {'src GF/tok':>10} {'ours':>8} {'ratio':>6} {'GiB':>7} {'HBM':>5}"]
+    lines = [
+        f"{'run':<50} {'src GF/tok':>10} {'ours':>8} {'ratio':>6} {'GiB':>7} {'HBM':>5}"
+        f" {'step s':>7} {'compute':>7}"
+    ]
     for r in result["runs"]:
         f, m = r["flops_per_token"], r["memory_gib"]
         source = "-" if f["source"] is None else f"{f['source']:.1f}"
         ratio = "-" if f["ratio"] is None else f"{f['ratio']:.3f}"
         lines.append(
             f"{r['id'][:50]:<50} {source:>10} {f['planned']:>8.1f} {ratio:>6} "
-            f"{m['planned']:>7.1f} {m['hbm']:>5.0f}" + ("" if r["fits"] else "  DOES NOT FIT")
+            f"{m['planned']:>7.1f} {m['hbm']:>5.0f} {_seconds(r['time']['published_step_s'])}"
+            f" {_seconds(r['time']['compute_lower_bound_s'])}"
+            + ("" if r["fits"] else "  DOES NOT FIT")
         )
     return "\n".join(lines)
 

@@ -44,6 +44,8 @@ GPU = {
     "gpus_per_node": 4,
     "nvlink_gbps": 100.0,
     "network_gbps": 25.0,
+    "generation": "hopper",
+    "sm_count": 100,
 }
 MODEL = {
     "id": "small-moe",

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from europa.plan.builtin import builtin_gpus, builtin_models
+from europa.plan.builtin import builtin_tables
 from europa.plan.errors import PlanInputError
 from europa.plan.reader import RunsFile, read_runs
 
 
 def load_runs(path: str | Path) -> RunsFile:
-    """A runs file, read and checked, knowing europa-plan's built-in GPUs and models."""
-    return read_runs(path, builtin_gpus(), builtin_models())
+    """A runs file, read and checked, knowing europa-plan's built-in generations, GPUs and
+    models."""
+    return read_runs(path, builtin_tables())
 
 
 __all__ = ["PlanInputError", "RunsFile", "load_runs"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from europa.plan.compute_time import compute_by_rank, optimizer_seconds
 from europa.plan.flops import executed_flops, source_flops_per_token
 from europa.plan.memory import hbm_gib, plan_memory
 from europa.plan.record import FLOPS_CONVENTIONS, Run
@@ -66,6 +67,35 @@ def memory_plan(run: Run) -> dict[str, Any]:
     }
 
 
+def time_plan(run: Run) -> dict[str, Any]:
+    """Step time so far: the compute of the pipeline rank that computes longest, over the
+    step's micro-batches, and the optimizer step. A lower bound of the step, not yet a
+    prediction: communication and the pipeline's bubble are not in it yet."""
+    ranks = compute_by_rank(run)
+    slowest = max(range(len(ranks)), key=lambda r: ranks[r].total)
+    terms = {
+        f"{kind}_s": getattr(ranks[slowest], kind) * run.micro_batches
+        for kind in ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute")
+    }
+    terms["optimizer_step_s"] = optimizer_seconds(run)
+    published = run.published
+    step = published.step_s
+    if step is None and published.tflops_per_gpu:  # the source's FLOPs at its rate
+        step = source_flops_per_token(run) * run.tokens_per_step / run.gpus
+        step /= published.tflops_per_gpu * 1e12
+    return {
+        "time": {
+            "published_step_s": step,
+            "published_from": "step_s"
+            if published.step_s
+            else ("tflops_per_gpu" if step else None),
+            "compute_lower_bound_s": sum(terms.values()),
+            "slowest_rank": slowest,
+            "terms": terms,
+        }
+    }
+
+
 def plan_run(run: Run) -> dict[str, Any]:
     """The plan of one run, JSON-ready."""
     return {
@@ -80,4 +110,5 @@ def plan_run(run: Run) -> dict[str, Any]:
         "assumed": list(run.assumed),
         **flops_plan(run),
         **memory_plan(run),
+        **time_plan(run),
     }

@@ -11,8 +11,8 @@ layout that does not multiply out or divide. A ``model`` or ``gpu`` may name a b
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -28,6 +28,7 @@ from europa.plan.record import (
     ROUTINGS,
     SCHEDULES,
     STATE_DTYPES,
+    Efficiencies,
     Gpu,
     Layout,
     Model,
@@ -39,8 +40,10 @@ from europa.plan.record import (
 
 @dataclass(frozen=True)
 class RunsFile:
-    """What a runs file defines: its GPUs and models (built-ins included) and its runs."""
+    """What a runs file defines: its GPU generations, GPUs and models (built-ins included)
+    and its runs."""
 
+    generations: Mapping[str, Efficiencies]
     gpus: Mapping[str, Gpu]
     models: Mapping[str, Model]
     runs: tuple[Run, ...]
@@ -143,7 +146,36 @@ GPU_REQUIRED = {
     "nvlink_gbps": _number,
     "network_gbps": _number,
 }
+GPU_REQUIRED["generation"] = _text
+GPU_REQUIRED["sm_count"] = POSITIVE
 GPU_OPTIONAL = {"source": _text}
+
+
+def _efficiency(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 1:
+        raise _Bad("a share of the peak, above 0 and at most 1")
+    return float(value)
+
+
+def _efficiencies(value: Any) -> MappingProxyType[str, float]:
+    if not isinstance(value, dict) or not value:
+        raise _Bad("a table of shares of the peak by precision, e.g. { bfloat16 = 0.7 }")
+    try:
+        return MappingProxyType({name: _efficiency(v) for name, v in value.items()})
+    except _Bad as bad:
+        raise _Bad(f"{bad}, for each precision") from None
+
+
+GENERATION_REQUIRED = {
+    "id": _text,
+    "gemm": _efficiencies,
+    "grouped_gemm": _efficiencies,
+    "attention": _efficiency,
+    "memory": _efficiency,
+    "nvlink": _efficiency,
+    "network": _efficiency,
+}
+GENERATION_OPTIONAL = {"fitted": _text}
 
 MODEL_REQUIRED = {
     "id": _text,
@@ -292,6 +324,10 @@ def read_gpu(where: Where, table: Mapping[str, Any]) -> Gpu:
     return Gpu(**where.fields(table, GPU_REQUIRED, GPU_OPTIONAL))
 
 
+def read_generation(where: Where, table: Mapping[str, Any]) -> Efficiencies:
+    return Efficiencies(**where.fields(table, GENERATION_REQUIRED, GENERATION_OPTIONAL))
+
+
 def read_model(where: Where, table: Mapping[str, Any]) -> Model:
     family = table.get("family")
     if family not in FAMILIES:
@@ -421,33 +457,57 @@ def check_run(where: Where, run: Run) -> None:
         )  # fmt: skip
 
 
-def read_runs(
-    path: str | Path, builtin_gpus: Mapping[str, Gpu], builtin_models: Mapping[str, Model]
-) -> RunsFile:
-    """Read and check a whole runs file, which may name the built-in GPUs and models or
-    replace them (``europa.plan.load_runs`` passes europa-plan's own)."""
+TABLES = ("generation", "gpu", "model", "run")
+READERS: dict[str, Callable[[Where, Mapping[str, Any]], Any]] = {
+    "generation": read_generation,
+    "gpu": read_gpu,
+    "model": read_model,
+}
+
+
+def read_runs(path: str | Path, builtin: Mapping[str, Sequence[Mapping[str, Any]]]) -> RunsFile:
+    """Read and check a whole runs file. ``builtin`` holds the generation, gpu and model
+    tables every file may name (``europa.plan.load_runs`` passes europa-plan's own); a
+    file's table with the id of a built-in one overrides the keys it states."""
     path = Path(path)
     data = _load(path)
     for key in data:
-        if key not in ("gpu", "model", "run"):
+        if key not in TABLES:
             raise PlanInputError(
-                f"{path}: unknown key {key} at the top: "
-                "expected [[gpu]], [[model]] and [[run]] tables"
+                f"{path}: unknown key {key} at the top: expected "
+                + ", ".join(f"[[{t}]]" for t in TABLES)
+                + " tables"
             )
-    gpus, models = dict(builtin_gpus), dict(builtin_models)
-    for kind, known, read in (("gpu", gpus, read_gpu), ("model", models, read_model)):
+    known: dict[str, dict[str, Any]] = {}
+    for kind, read in READERS.items():
+        tables = {t["id"]: dict(t) for t in builtin.get(kind, ())}
         seen: set[str] = set()
         for index, table in enumerate(_tables(path, data, kind)):
             name = _id(path, kind, index, table)
             if name in seen:
                 raise PlanInputError(f'{path}: {kind} "{name}": id defined twice')
             seen.add(name)
-            known[name] = read(Where(str(path), f'{kind} "{name}"'), table)
+            tables[name] = {**tables.get(name, {}), **table}
+        known[kind] = {
+            name: read(Where(str(path) if name in seen else "builtin.toml", f'{kind} "{name}"'), t)
+            for name, t in tables.items()
+        }
+    for name, gpu in known["gpu"].items():
+        if gpu.generation not in known["generation"]:
+            expected = "a [[generation]] id: " + ", ".join(known["generation"])
+            raise Where(str(path), f'gpu "{name}"').error("generation", gpu.generation, expected)
+        known["gpu"][name] = replace(gpu, efficiencies=known["generation"][gpu.generation])
     runs, seen = [], set()
     for index, table in enumerate(_tables(path, data, "run")):
         name = _id(path, "run", index, table)
         if name in seen:
             raise PlanInputError(f'{path}: run "{name}": id defined twice')
         seen.add(name)
-        runs.append(read_run(Where(str(path), f'run "{name}"'), table, gpus, models))
-    return RunsFile(MappingProxyType(gpus), MappingProxyType(models), tuple(runs))
+        where = Where(str(path), f'run "{name}"')
+        runs.append(read_run(where, table, known["gpu"], known["model"]))
+    return RunsFile(
+        MappingProxyType(known["generation"]),
+        MappingProxyType(known["gpu"]),
+        MappingProxyType(known["model"]),
+        tuple(runs),
+    )

@@ -53,6 +53,22 @@ RECOMPUTE_MODULES = (
 
 
 @dataclass(frozen=True, kw_only=True)
+class Efficiencies:
+    """The share of the vendor's peak a GPU generation's kernels and links reach in a
+    training step, one set for every GPU of the generation, fitted on the published runs
+    (``fitted`` says how: the command that fits them again)."""
+
+    id: str  # the generation: "hopper", "blackwell"
+    gemm: MappingProxyType[str, float]  # dense matrix multiplies, by peak (bfloat16, float8…)
+    grouped_gemm: MappingProxyType[str, float]  # the experts' grouped multiplies, by peak
+    attention: float  # FlashAttention against the bf16 peak
+    memory: float  # memory-bound kernels against the HBM bandwidth
+    nvlink: float  # collectives inside the NVLink domain
+    network: float  # collectives across it
+    fitted: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class Gpu:
     """One GPU and the links around it. Bandwidths are GB/s per GPU in one direction."""
 
@@ -63,7 +79,10 @@ class Gpu:
     gpus_per_node: int  # the NVLink domain (72 for an NVL72 rack)
     nvlink_gbps: float
     network_gbps: float
+    generation: str  # an ``Efficiencies`` id
+    sm_count: int  # streaming multiprocessors: how many matrix-multiply tiles run at once
     source: str | None = None
+    efficiencies: Efficiencies | None = None  # the generation's, set by the reader
 
 
 @dataclass(frozen=True, kw_only=True)

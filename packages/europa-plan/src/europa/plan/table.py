@@ -44,6 +44,14 @@ def plan_block(plan: dict[str, Any]) -> str:
             f"buffers {mem['buffers']:.1f}",
         )
     )
+    time = plan["time"]
+    terms = ", ".join(
+        f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}" for k, v in time["terms"].items()
+    )
+    compute = f"at least {time['compute_lower_bound_s']:.2f} s a step (compute alone: {terms})"
+    if time["published_step_s"]:
+        compute += f"; published {time['published_step_s']:.2f} s"
+    lines.append(_line("step", compute))
     if plan["assumed"]:
         lines.append(_line("assumed", "left out, planner's default: " + ", ".join(plan["assumed"])))
     return "\n".join(lines)
