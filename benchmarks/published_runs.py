@@ -6,14 +6,16 @@ their ratio; the FLOPs the GPUs execute, by kind; memory per GPU, by part, again
 
 Runs in well under a second: the plan is arithmetic (europa-plan, the standard library
 only). Every figure of ours is a prediction; the source's figure is the check. ``time``
-holds the step's compute so far (a lower bound: communication and the pipeline's bubble
-are not in it yet) beside the published step.
+holds the predicted step and its terms beside the published one (or, where the source
+gives only TFLOP/s, its TFLOP/s against ours), and ``error`` the median and worst
+|predicted / published − 1| of the step over the file.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -44,6 +46,7 @@ def compare(runs_file: Path) -> dict:
             }
         )
     ratios = [r["flops_per_token"]["ratio"] for r in runs if r["flops_per_token"]["ratio"]]
+    errors = sorted(abs(r["time"]["ratio"] - 1) for r in runs if r["time"]["ratio"])
     return {
         "runs_file": str(runs_file),
         "units": {"flops_per_token": "GFLOP", "memory_gib": "GiB"},
@@ -53,6 +56,11 @@ def compare(runs_file: Path) -> dict:
             "worst_flops_ratio_off_1": max((abs(r - 1) for r in ratios), default=None),
             "all_fit": all(r["fits"] for r in runs),
         },
+        "error": {
+            "median": statistics.median(errors) if errors else None,
+            "worst": max(errors, default=None),
+            "runs": len(errors),
+        },
         "runs": runs,
     }
 
@@ -61,10 +69,22 @@ def _seconds(value: float | None) -> str:
     return f"{'-':>7}" if value is None else f"{value:>7.2f}"
 
 
+def _published_step(time: dict) -> float | None:
+    if "published_step_s" in time:
+        return time["published_step_s"]
+    if "published_tflops_per_gpu" in time:  # the step the source's TFLOP/s imply
+        return time["predicted_step_s"] / time["ratio"]
+    return None
+
+
+def _ratio(value: float | None) -> str:
+    return f"{'-':>5}" if value is None else f"{value:>5.2f}"
+
+
 def _table(result: dict) -> str:
     lines = [
         f"{'run':<50} {'src GF/tok':>10} {'ours':>8} {'ratio':>6} {'GiB':>7} {'HBM':>5}"
-        f" {'step s':>7} {'compute':>7}"
+        f" {'step s':>7} {'planned':>7} {'ratio':>5}"
     ]
     for r in result["runs"]:
         f, m = r["flops_per_token"], r["memory_gib"]
@@ -72,9 +92,15 @@ def _table(result: dict) -> str:
         ratio = "-" if f["ratio"] is None else f"{f['ratio']:.3f}"
         lines.append(
             f"{r['id'][:50]:<50} {source:>10} {f['planned']:>8.1f} {ratio:>6} "
-            f"{m['planned']:>7.1f} {m['hbm']:>5.0f} {_seconds(r['time']['published_step_s'])}"
-            f" {_seconds(r['time']['compute_lower_bound_s'])}"
+            f"{m['planned']:>7.1f} {m['hbm']:>5.0f} {_seconds(_published_step(r['time']))}"
+            f" {_seconds(r['time']['predicted_step_s'])} {_ratio(r['time']['ratio'])}"
             + ("" if r["fits"] else "  DOES NOT FIT")
+        )
+    error = result["error"]
+    if error["runs"]:
+        lines.append(
+            f"step time |error| over {error['runs']} runs: median {error['median']:.1%}, "
+            f"worst {error['worst']:.1%}"
         )
     return "\n".join(lines)
 

@@ -13,11 +13,11 @@ from hypothesis import strategies as st
 
 from europa.plan import load_runs
 from europa.plan.memory import (
-    _rank_params,
     hbm_gib,
     memory_by_rank,
     parameter_count,
     plan_memory,
+    rank_params,
 )
 from europa.plan.record import RECOMPUTE_MODULES, Recompute
 from europa.plan.shapes import padded_vocab
@@ -64,7 +64,7 @@ def test_every_parameter_is_held_once_across_a_pipeline_tp_and_ep(run):
     model, lay = run.model, run.layout
     total = 0.0
     for stage in rank_stages(run):
-        p = _rank_params(run, stage)
+        p = rank_params(run, stage)
         total += (p.dense + p.embedding) * lay.tp + p.experts * lay.ep * lay.etp + p.replicated
     padding = (padded_vocab(model, lay.tp) - model.vocab_size) * model.dim * 2
     assert total == pytest.approx(parameter_count(model) + padding, rel=1e-9)

@@ -46,7 +46,7 @@ def test_a_published_figure_changes_no_prediction():
     )
     plan, changed = plan_run(run), plan_run(other)
     assert plan["time"]["terms"] == changed["time"]["terms"]
-    assert plan["time"]["compute_lower_bound_s"] == changed["time"]["compute_lower_bound_s"]
+    assert plan["time"]["predicted_step_s"] == changed["time"]["predicted_step_s"]
     assert plan["time"]["published_step_s"] != changed["time"]["published_step_s"]
 
 

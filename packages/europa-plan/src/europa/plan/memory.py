@@ -82,7 +82,7 @@ def attention_params(model: Model) -> int:
     return h * d * (n + 2 * g) + n * d * h + h + (2 * d if model.qk_norm else 0)
 
 
-def _rank_params(run: Run, stage: RankStage) -> _Params:
+def rank_params(run: Run, stage: RankStage) -> _Params:
     model, lay = run.model, run.layout
     layers = len(stage.layers) + (model.mtp_modules if stage.head else 0)
     dense_layers = stage.dense_layers(model.n_dense_layers) if model.moe else layers
@@ -216,7 +216,7 @@ def plan_memory(run: Run) -> MemoryPlan:
 def memory_by_rank(run: Run) -> list[MemoryPlan]:
     plans = []
     for stage in rank_stages(run):
-        params = _rank_params(run, stage)
+        params = rank_params(run, stage)
         weights, gradients, optimizer = _state_bytes(run, params)
         activations, in_flight = _rank_activations(run, stage)
         plans.append(

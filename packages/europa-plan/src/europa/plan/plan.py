@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.plan.compute_time import compute_by_rank, optimizer_seconds
 from europa.plan.flops import executed_flops, source_flops_per_token
 from europa.plan.memory import hbm_gib, plan_memory
 from europa.plan.record import FLOPS_CONVENTIONS, Run
+from europa.plan.step_time import predict_step
 
 GIGA = 1e9
 
@@ -68,32 +68,27 @@ def memory_plan(run: Run) -> dict[str, Any]:
 
 
 def time_plan(run: Run) -> dict[str, Any]:
-    """Step time so far: the compute of the pipeline rank that computes longest, over the
-    step's micro-batches, and the optimizer step. A lower bound of the step, not yet a
-    prediction: communication and the pipeline's bubble are not in it yet."""
-    ranks = compute_by_rank(run)
-    slowest = max(range(len(ranks)), key=lambda r: ranks[r].total)
-    terms = {
-        f"{kind}_s": getattr(ranks[slowest], kind) * run.micro_batches
-        for kind in ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute")
-    }
-    terms["optimizer_step_s"] = optimizer_seconds(run)
+    """The predicted step time and its terms, beside the published one: a step time, or
+    where the source gives only TFLOP/s, its TFLOP/s against ours (in its convention)."""
+    step = predict_step(run)
     published = run.published
-    step = published.step_s
-    if step is None and published.tflops_per_gpu:  # the source's FLOPs at its rate
-        step = source_flops_per_token(run) * run.tokens_per_step / run.gpus
-        step /= published.tflops_per_gpu * 1e12
-    return {
-        "time": {
-            "published_step_s": step,
-            "published_from": "step_s"
-            if published.step_s
-            else ("tflops_per_gpu" if step else None),
-            "compute_lower_bound_s": sum(terms.values()),
-            "slowest_rank": slowest,
-            "terms": terms,
-        }
+    model_flops = source_flops_per_token(run) * run.tokens_per_step / run.gpus
+    out: dict[str, Any] = {
+        "predicted_step_s": step.total,
+        "predicted_tokens_per_s_per_gpu": run.tokens_per_step / run.gpus / step.total,
+        "slowest_rank": step.slowest_rank,
+        "terms": step.terms,
     }
+    if published.step_s is not None:
+        out["published_step_s"] = published.step_s
+        out["ratio"] = step.total / published.step_s
+    elif published.tflops_per_gpu is not None:
+        out["published_tflops_per_gpu"] = published.tflops_per_gpu
+        out["predicted_tflops_per_gpu"] = model_flops / step.total / 1e12
+        out["ratio"] = published.tflops_per_gpu / out["predicted_tflops_per_gpu"]
+    else:
+        out["ratio"] = None
+    return {"time": out}
 
 
 def plan_run(run: Run) -> dict[str, Any]:

@@ -45,13 +45,19 @@ def plan_block(plan: dict[str, Any]) -> str:
         )
     )
     time = plan["time"]
+    step = f"{time['predicted_step_s']:.2f} s predicted"
+    if "published_step_s" in time:
+        step += f", published {time['published_step_s']:.2f} s: ratio {time['ratio']:.2f}"
+    elif "published_tflops_per_gpu" in time:
+        step += (
+            f" ({time['predicted_tflops_per_gpu']:.0f} TFLOP/s a GPU), published "
+            f"{time['published_tflops_per_gpu']:.0f} TFLOP/s: ratio {time['ratio']:.2f}"
+        )
+    lines.append(_line("step", step))
     terms = ", ".join(
-        f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}" for k, v in time["terms"].items()
+        f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f}" for k, v in time["terms"].items() if v
     )
-    compute = f"at least {time['compute_lower_bound_s']:.2f} s a step (compute alone: {terms})"
-    if time["published_step_s"]:
-        compute += f"; published {time['published_step_s']:.2f} s"
-    lines.append(_line("step", compute))
+    lines.append(_line("  made of", terms))
     if plan["assumed"]:
         lines.append(_line("assumed", "left out, planner's default: " + ", ".join(plan["assumed"])))
     return "\n".join(lines)
