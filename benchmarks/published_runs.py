@@ -19,6 +19,8 @@ import statistics
 import sys
 from pathlib import Path
 
+from _runs_svg import runs_svg
+
 from europa.plan import PlanInputError, load_runs
 from europa.plan.plan import plan_run
 
@@ -109,6 +111,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="a runs file")
     parser.add_argument("--json", action="store_true", help="print JSON")
+    parser.add_argument("--svg", type=Path, help="also draw predicted against published here")
     args = parser.parse_args()
     try:
         result = compare(args.runs)
@@ -116,6 +119,22 @@ def main() -> int:
         print(f"published_runs.py: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if args.json else _table(result))
+    if args.svg:
+        points = [
+            (
+                f"{r['model']} {r['gpus']}×{r['gpu']}",
+                _published_step(r["time"]),
+                r["time"]["predicted_step_s"],
+            )
+            for r in result["runs"]
+            if r["time"]["ratio"]
+        ]
+        error = result["error"]
+        title = (
+            f"europa-plan: step time, {error['runs']} published runs "
+            f"(median |error| {error['median']:.0%}, worst {error['worst']:.0%})"
+        )
+        args.svg.write_text(runs_svg(points, title))
     return 0
 
 

@@ -7,8 +7,10 @@ Per micro-batch, on one pipeline rank, forward and backward:
   one, shared experts, or experts split over etp), in forward and again in backward.
   Exposed: Megatron's tp overlap is not assumed.
 * **ep**: the expert exchange, dispatch and combine in forward and both again in
-  backward, each GPU's rows (its tokens × top_k) spread over the ep group. Exposed,
-  as Megatron's all-to-all dispatcher runs it on the compute stream.
+  backward, each GPU's rows (its tokens × top_k) spread over the ep group, once a node
+  with DeepEP or HybridEP (``remote_share``). Exposed, as Megatron's dispatchers run
+  it on the compute stream, unless the run overlaps it with another micro-batch's
+  compute (``ep_overlap``, DualPipe's pairs): then only what is longer than that.
 * **cp**: the keys and values of the other cp ranks' chunks, gathered in forward and
   their gradients returned in backward; hidden behind attention, which it overlaps.
 
@@ -73,7 +75,8 @@ def rank_comm(run: Run, stage: RankStage, compute: ComputeTerms) -> CommTerms:
     ep = 0.0
     if moe_layers and lay.ep > 1:
         rows = local * model.top_k
-        exchange = all_to_all_seconds(rows * model.dim * BF16, group["ep"], gpu, eff)
+        remote = remote_share(run, group["ep"])
+        exchange = all_to_all_seconds(rows * model.dim * BF16, group["ep"], gpu, eff, remote)
         redone = 2 if run.layout.recompute.covers("moe") else 0
         ep = moe_layers * (4 + redone) * exchange
     cp = 0.0
@@ -86,6 +89,17 @@ def rank_comm(run: Run, stage: RankStage, compute: ComputeTerms) -> CommTerms:
         )
         cp = max(0.0, 3 * layers * gathered - compute.attention)
     return CommTerms(tp, ep, cp)
+
+
+def remote_share(run: Run, group: Group) -> float | None:
+    """The share of a GPU's exchanged rows that cross the network. An all-to-all spreads
+    them evenly (None: the group's own spread); DeepEP and HybridEP send a token once
+    to each other node its top-k experts sit on: (N − 1)(1 − (1 − 1/N)^k) of its k rows
+    on N nodes, the experts chosen evenly (balanced routing)."""
+    if run.ep_dispatcher == "alltoall" or not group.crosses:
+        return None
+    nodes, k = group.nodes, run.model.top_k
+    return (nodes - 1) * (1 - (1 - 1 / nodes) ** k) / k
 
 
 def comm_by_rank(run: Run, compute: list[ComputeTerms] | None = None) -> list[CommTerms]:

@@ -20,6 +20,7 @@ from typing import Any
 from europa.plan.errors import PlanInputError
 from europa.plan.record import (
     DP_KINDS,
+    EP_DISPATCHERS,
     FAMILIES,
     FLOPS_CONVENTIONS,
     OPTIMIZERS,
@@ -240,6 +241,8 @@ RUN_OPTIONAL: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "optimizer": (_one_of(OPTIMIZERS), "adam"),
     "state_dtype": (_one_of(STATE_DTYPES), "float32"),
     "routing": (_one_of(ROUTINGS), "balanced"),
+    "ep_dispatcher": (_one_of(EP_DISPATCHERS), "alltoall"),
+    "ep_overlap": (_flag, False),
     "flops_convention": (_one_of(tuple(FLOPS_CONVENTIONS)), "megatron"),
     "published": (_published, None),
     "source": (_text, None),
@@ -367,7 +370,8 @@ def read_run(
     gpu = gpus.get(values["gpu"])
     if gpu is None:
         raise where.error("gpu", values["gpu"], "a [[gpu]] id or built-in: " + ", ".join(gpus))
-    assumed = [k for k in RUN_OPTIONAL if k not in values and k not in NOT_ASSUMED]
+    moe_only = set() if model.moe else {"etp", "routing", "ep_dispatcher", "ep_overlap"}
+    assumed = [k for k in RUN_OPTIONAL if k not in values and k not in NOT_ASSUMED | moe_only]
     get = lambda key: values.get(key, RUN_OPTIONAL[key][1])  # noqa: E731
     tp, cp, pp, vp = get("tp"), get("cp"), get("pp"), get("vp")
     dp = values.get("dp") or max(1, values["gpus"] // (tp * cp * pp))
@@ -399,6 +403,8 @@ def read_run(
         optimizer=get("optimizer"),
         state_dtype=get("state_dtype"),
         routing=get("routing"),
+        ep_dispatcher=get("ep_dispatcher"),
+        ep_overlap=get("ep_overlap"),
         flops_convention=get("flops_convention"),
         published=values.get("published") or Published(),
         assumed=tuple(assumed),

@@ -31,6 +31,10 @@ OPTIMIZERS = ("adam", "muon")
 # torchtitan); bfloat16: the bf16 weights trained directly, bf16 gradients and moments.
 STATE_DTYPES = ("float32", "bfloat16")
 ROUTINGS = ("balanced", "learned")
+# How the expert exchange moves tokens: an all-to-all of one row per (token, expert), or
+# DeepEP's (and its NVL72 variant HybridEP's) kernels, which send a token across the
+# network once per destination node and fan it out there.
+EP_DISPATCHERS = ("alltoall", "deepep", "hybridep")
 # How a source counts its "model FLOPs" (``europa.plan.flops`` says what each counts).
 FLOPS_CONVENTIONS = MappingProxyType(
     {
@@ -212,6 +216,8 @@ class Run:
     optimizer: str = "adam"
     state_dtype: str = "float32"  # of master weights, gradients and moments (``STATE_DTYPES``)
     routing: str = "balanced"
+    ep_dispatcher: str = "alltoall"
+    ep_overlap: bool = False  # the exchange runs beside another micro-batch's compute
     flops_convention: str = "megatron"
     published: Published = field(default_factory=Published)
     assumed: tuple[str, ...] = ()

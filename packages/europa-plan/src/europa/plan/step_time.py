@@ -48,7 +48,7 @@ def bubble_share(run: Run) -> float:
 def predict_step(run: Run) -> StepTime:
     compute = compute_by_rank(run)
     comm = comm_by_rank(run, compute)
-    paired = run.layout.schedule in ("dualpipe", "dualpipev")
+    paired = run.ep_overlap or run.layout.schedule in ("dualpipe", "dualpipev")
     per_rank = []
     for c, k in zip(compute, comm, strict=True):
         ep = max(0.0, k.ep - c.total) if paired else k.ep
