@@ -2,7 +2,7 @@
 per token (its TFLOP/s over its tokens/s, where it gives both), ours in its convention and
 their ratio; the FLOPs the GPUs execute, by kind; memory per GPU, by part, against HBM.
 
-    python benchmarks/published_runs.py [--runs FILE] [--json]
+    python benchmarks/published_runs.py [--runs FILE ...] [--json] [--svg PICTURE]
 
 Runs in well under a second: the plan is arithmetic (europa-plan, the standard library
 only). Every figure of ours is a prediction; the source's figure is the check. ``time``
@@ -27,9 +27,9 @@ from europa.plan.plan import plan_run
 DEFAULT_RUNS = Path(__file__).resolve().parent / "published_runs.toml"
 
 
-def compare(runs_file: Path) -> dict:
+def compare(runs_files: list[Path]) -> dict:
     runs = []
-    for run in load_runs(runs_file).runs:
+    for run in (run for path in runs_files for run in load_runs(path).runs):
         plan = plan_run(run)
         runs.append(
             {
@@ -50,7 +50,7 @@ def compare(runs_file: Path) -> dict:
     ratios = [r["flops_per_token"]["ratio"] for r in runs if r["flops_per_token"]["ratio"]]
     errors = sorted(abs(r["time"]["ratio"] - 1) for r in runs if r["time"]["ratio"])
     return {
-        "runs_file": str(runs_file),
+        "runs_files": [str(path) for path in runs_files],
         "units": {"flops_per_token": "GFLOP", "memory_gib": "GiB"},
         "summary": {
             "runs": len(runs),
@@ -109,12 +109,15 @@ def _table(result: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=Path, default=DEFAULT_RUNS, help="a runs file")
+    parser.add_argument(
+        "--runs", type=Path, action="append", help="a runs file (repeat for more; default: "
+        "the open set, benchmarks/published_runs.toml)"
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print JSON")
     parser.add_argument("--svg", type=Path, help="also draw predicted against published here")
     args = parser.parse_args()
     try:
-        result = compare(args.runs)
+        result = compare(args.runs or [DEFAULT_RUNS])
     except PlanInputError as err:
         print(f"published_runs.py: error: {err}", file=sys.stderr)
         return 2
@@ -122,7 +125,7 @@ def main() -> int:
     if args.svg:
         points = [
             (
-                f"{r['model']} {r['gpus']}×{r['gpu']}",
+                f"{r['id'].split('-')[0]}: {r['model']} {r['gpus']}×{r['gpu']}",
                 _published_step(r["time"]),
                 r["time"]["predicted_step_s"],
             )

@@ -134,8 +134,9 @@ def _seconds(run: Run, eff: Efficiencies, work: _Work, layers: int) -> dict[str,
     for kind, module, gemm in work.gemms:
         low = fp8 and kind in ("dense", "expert") and module != "router"
         peak = gpu.peak_tflops[layer_peak if low else "bfloat16"]
-        table = eff.grouped_gemm if kind == "expert" else eff.gemm
-        efficiency = table[layer_peak if low else "bfloat16"]
+        efficiency = eff.gemm[layer_peak if low else "bfloat16"]
+        if kind == "expert":
+            efficiency *= eff.grouped_gemm
         in_bytes = 1 if low else BF16
         passes = [
             gemm_seconds(g, peak, efficiency, gpu.hbm_tbps, gpu.sm_count, in_bytes)

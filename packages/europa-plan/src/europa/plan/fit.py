@@ -5,8 +5,9 @@ generation, never a factor per run.
 
 prints, for each generation the files' runs use, the ``[[generation]]`` table that
 minimises the sum of squared log step-time ratios (predicted over published) over those
-runs, each efficiency searched coordinate by coordinate over a grid within physical
-bounds, and the median and worst |error| it reaches. Paste the tables into
+runs (``fits_on``: each with a published step and, with stages, its micro-batches and
+virtual stages stated), each efficiency searched coordinate by coordinate over a grid
+within physical bounds, and the median and worst |error| it reaches. Paste the tables into
 ``builtin.toml``. An efficiency no run of the generation exercises (a precision none of
 them uses) keeps its starting value.
 """
@@ -29,12 +30,14 @@ from europa.plan.step_time import predict_step
 
 BOUNDS = {  # the shares of the peak a kernel or link can plausibly reach
     "gemm": (0.3, 0.95),
-    "grouped_gemm": (0.15, 0.9),
+    "grouped_gemm": (0.3, 1.0),
     "attention": (0.2, 0.8),
     "memory": (0.3, 0.9),
     "nvlink": (0.3, 0.95),
     "network": (0.2, 0.95),
+    "overlap": (0.0, 1.0),
 }
+SCALARS = ("grouped_gemm", "attention", "memory", "nvlink", "network", "overlap")
 STEP = 0.01
 SWEEPS = 4
 
@@ -47,6 +50,14 @@ def published_step(run: Run) -> float | None:
         flops = source_flops_per_token(run) * run.tokens_per_step / run.gpus
         return flops / (run.published.tflops_per_gpu * 1e12)
     return None
+
+
+def fits_on(run: Run) -> bool:
+    """A run the fit learns from: it has a published step, and its source states the
+    pipeline's micro-batches and virtual stages where it has stages (they set the
+    bubble: a run that leaves them out is planned and shown, not fitted on)."""
+    unstated = {"vp", "micro_batch"} & set(run.assumed)
+    return published_step(run) is not None and not (run.layout.pp > 1 and unstated)
 
 
 def with_efficiencies(run: Run, efficiencies: Efficiencies) -> Run:
@@ -65,9 +76,8 @@ def _coordinates(runs: Sequence[Run], start: Efficiencies) -> list[tuple[str, st
     """The efficiencies the runs exercise: (field, precision) for the tables by precision."""
     peaks = {PRECISION_PEAK[r.precision] for r in runs} | {"bfloat16"}
     coords: list[tuple[str, str | None]] = []
-    for name in ("gemm", "grouped_gemm"):
-        coords += [(name, p) for p in sorted(peaks) if p in getattr(start, name)]
-    coords += [(name, None) for name in ("attention", "memory", "nvlink", "network")]
+    coords += [("gemm", p) for p in sorted(peaks) if p in start.gemm]
+    coords += [(name, None) for name in SCALARS]
     return coords
 
 
@@ -111,11 +121,8 @@ def generation_toml(eff: Efficiencies, command: str) -> str:
         "[[generation]]",
         f'id = "{eff.id}"',
         f"gemm = {table(eff.gemm)}",
-        f"grouped_gemm = {table(eff.grouped_gemm)}",
     ]
-    lines += [
-        f"{name} = {getattr(eff, name):g}" for name in ("attention", "memory", "nvlink", "network")
-    ]
+    lines += [f"{name} = {getattr(eff, name):g}" for name in SCALARS]
     lines.append(f'fitted = "{command}"')
     return "\n".join(lines)
 
@@ -131,13 +138,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     except PlanInputError as err:
         print(f"europa.plan.fit: error: {err}", file=sys.stderr)
         return 2
-    runs = [r for f in files for r in f.runs if published_step(r) is not None]
+    runs = [r for f in files for r in f.runs if fits_on(r)]
+    shown = [r.id for f in files for r in f.runs if not fits_on(r)]
     command = "python -m europa.plan.fit " + " ".join(args.runs)
+    if shown:
+        print("# not fitted on (no published step, or stages the source leaves unstated):")
+        print("".join(f"#   {run_id}\n" for run_id in shown))
     for generation in sorted({r.gpu.generation for r in runs}):
         own = [r for r in runs if r.gpu.generation == generation]
         fitted = fit_generation(own, own[0].gpu.efficiencies)
-        errors = [abs(math.exp(e) - 1) for e in log_errors(own, fitted)]
+        ratios = [math.exp(e) for e in log_errors(own, fitted)]
+        errors = [abs(r - 1) for r in ratios]
         print(generation_toml(fitted, command))
+        for run, ratio in zip(own, ratios, strict=True):
+            print(f"# {ratio:5.2f}  {run.id}")
         print(
             f"# {len(own)} runs: median |error| {statistics.median(errors):.1%}, "
             f"worst {max(errors):.1%}\n"

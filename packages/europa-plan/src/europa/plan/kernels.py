@@ -5,9 +5,10 @@ bandwidth, with what keeps a real kernel below it.
   one a streaming multiprocessor (SM) at a time. A multiply whose tiles do not fill the
   last wave leaves SMs idle: with T tiles on S SMs it runs at T / (⌈T/S⌉·S) of its
   rate. Small multiplies (few tiles) lose most. On top, the generation's fitted GEMM
-  efficiency (dense, or grouped for the experts' multiplies, whose per-expert blocks
-  are smaller and launched together). A multiply reads its operands and writes its
-  output at least once: it takes no less than those bytes over the HBM bandwidth.
+  efficiency for the precision, and for the experts' grouped multiplies (per-expert
+  blocks, smaller, launched together) its fitted share of it. A multiply reads its
+  operands and writes its output at least once: it takes no less than those bytes over
+  the HBM bandwidth.
 * **Attention** (FlashAttention): its FLOPs over the bf16 peak at the generation's
   attention efficiency (attention runs in bf16 under every recipe here).
 * **Memory-bound work** (norms, activations, rotary, the router, permutations, casts,

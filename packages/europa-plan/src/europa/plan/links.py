@@ -50,14 +50,25 @@ def _bandwidth(gpu: Gpu, eff: Efficiencies, crosses: bool) -> tuple[float, float
 
 
 def ring_seconds(kind: str, nbytes: float, group: Group, gpu: Gpu, eff: Efficiencies) -> float:
-    """All-gather, reduce-scatter (``nbytes``: the whole, gathered tensor) or all-reduce,
-    as NCCL's ring runs them: each GPU sends (size − 1)/size of the tensor, twice for an
-    all-reduce, at the slowest link the ring crosses."""
+    """All-gather, reduce-scatter (``nbytes``: the whole, gathered tensor) or all-reduce
+    (twice the traffic), as NCCL runs them on a group spread over domains: each domain
+    receives the (nodes − 1)/nodes of the tensor held elsewhere through its members' own
+    network links, a 1/per_domain share each, while its members exchange the rest over
+    NVLink; the slower of the two sets the time."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
-    bandwidth, latency = _bandwidth(gpu, eff, group.crosses)
-    sent = nbytes * (group.size - 1) / group.size * (2 if kind == "all_reduce" else 1)
-    return latency * (group.size - 1) + sent / bandwidth
+    twice = 2 if kind == "all_reduce" else 1
+    nvlink, nvlink_latency = _bandwidth(gpu, eff, crosses=False)
+    local = group.per_domain
+    seconds = 0.0
+    if local > 1:
+        inside = nbytes * (local - 1) / local / group.nodes
+        seconds = nvlink_latency * (local - 1) + twice * inside / nvlink
+    if group.crosses:
+        network, network_latency = _bandwidth(gpu, eff, crosses=True)
+        across = nbytes * (group.nodes - 1) / group.nodes / local
+        seconds = max(seconds, network_latency * (group.nodes - 1) + twice * across / network)
+    return seconds
 
 
 def all_to_all_seconds(

@@ -170,11 +170,12 @@ def _efficiencies(value: Any) -> MappingProxyType[str, float]:
 GENERATION_REQUIRED = {
     "id": _text,
     "gemm": _efficiencies,
-    "grouped_gemm": _efficiencies,
+    "grouped_gemm": _efficiency,
     "attention": _efficiency,
     "memory": _efficiency,
     "nvlink": _efficiency,
     "network": _efficiency,
+    "overlap": _efficiency,
 }
 GENERATION_OPTIONAL = {"fitted": _text}
 

@@ -64,11 +64,13 @@ class Efficiencies:
 
     id: str  # the generation: "hopper", "blackwell"
     gemm: MappingProxyType[str, float]  # dense matrix multiplies, by peak (bfloat16, float8…)
-    grouped_gemm: MappingProxyType[str, float]  # the experts' grouped multiplies, by peak
+    grouped_gemm: float  # the experts' grouped multiplies: this share of the dense ones'
+    # efficiency (per-expert blocks are smaller, launched together, with uneven rows)
     attention: float  # FlashAttention against the bf16 peak
     memory: float  # memory-bound kernels against the HBM bandwidth
     nvlink: float  # collectives inside the NVLink domain
     network: float  # collectives across it
+    overlap: float  # the share of an overlapped expert exchange that compute hides
     fitted: str | None = None
 
 

@@ -5,8 +5,10 @@ The pipeline is bound by its slowest rank: each of the step's M micro-batches pa
 through it (its compute and its exposed tp, ep and cp collectives). The schedule adds
 its bubble: 1F1B's P − 1 stage times, interleaving's (P − 1)/V, at the pipeline's mean
 rank time; ZBV and DualPipeV, which fill the bubble with weight-gradient work, about a
-third of it; DualPipe and DualPipeV also hide one micro-batch's expert exchange behind
-another's compute, up to the compute it pairs with. The data-parallel collectives'
+third of it. Where one micro-batch's expert exchange runs beside another's compute
+(``ep_overlap``, DualPipe's and DualPipeV's pairs), compute hides the generation's
+``overlap`` share of it, up to the compute it pairs with: the exchange's kernels take
+SMs and the pairing is not perfect. The data-parallel collectives'
 exposed part and the optimizer step come once a step.
 """
 
@@ -49,9 +51,10 @@ def predict_step(run: Run) -> StepTime:
     compute = compute_by_rank(run)
     comm = comm_by_rank(run, compute)
     paired = run.ep_overlap or run.layout.schedule in ("dualpipe", "dualpipev")
+    hides = run.gpu.efficiencies.overlap if paired else 0.0
     per_rank = []
     for c, k in zip(compute, comm, strict=True):
-        ep = max(0.0, k.ep - c.total) if paired else k.ep
+        ep = k.ep - hides * min(k.ep, c.total)
         per_rank.append((c, k, ep, c.total + k.tp + k.cp + ep))
     slowest = max(range(len(per_rank)), key=lambda r: per_rank[r][3])
     c, k, ep, _ = per_rank[slowest]
