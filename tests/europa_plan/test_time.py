@@ -17,6 +17,7 @@ from europa.plan.compute_time import compute_by_rank
 from europa.plan.kernels import Gemm, gemm_seconds, wave_efficiency
 from europa.plan.plan import plan_run
 from europa.plan.record import Recompute
+from europa.plan.step_time import bubble_share
 from tests.europa_plan.runs_toml import runs_toml
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
@@ -81,3 +82,22 @@ def test_every_run_of_a_generation_takes_the_same_efficiencies():
     for run in RUNS:
         by_generation.setdefault(run.gpu.generation, set()).add(id(run.gpu.efficiencies))
     assert all(len(ids) == 1 for ids in by_generation.values())
+
+
+@given(st.integers(2, 8), st.integers(1, 4), st.integers(1, 4))
+def test_the_simulated_bubble_is_the_schedules_closed_form_when_nothing_travels(pp, vp, rounds):
+    """Equal stages and free transfers: 1F1B idles P − 1 micro-batch times, interleaving
+    (P − 1)/V; a transfer only ever adds to it."""
+    schedule = "interleaved" if vp > 1 else "1f1b"
+    layout = dataclasses.replace(RUNS[0].layout, pp=pp, vp=vp, schedule=schedule, dp=1)
+    run = dataclasses.replace(RUNS[0], layout=layout, global_batch=pp * rounds)
+    share, how = bubble_share(run)
+    assert how == "simulated"
+    assert share == pytest.approx((pp - 1) / vp, abs=1e-9)
+    assert bubble_share(run, transfer=0.05)[0] >= share
+
+
+def test_a_shape_the_schedule_refuses_takes_its_closed_form():
+    layout = dataclasses.replace(RUNS[0].layout, pp=4, vp=2, schedule="dualpipev", dp=1)
+    run = dataclasses.replace(RUNS[0], layout=layout, global_batch=6)  # DualPipeV needs 2·P
+    assert bubble_share(run) == (pytest.approx(3 / 6), "closed form")

@@ -77,6 +77,7 @@ def time_plan(run: Run) -> dict[str, Any]:
         "predicted_step_s": step.total,
         "predicted_tokens_per_s_per_gpu": run.tokens_per_step / run.gpus / step.total,
         "slowest_rank": step.slowest_rank,
+        "bubble_from": step.bubble_from,
         "terms": step.terms,
     }
     if published.step_s is not None:

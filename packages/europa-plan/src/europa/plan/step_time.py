@@ -3,9 +3,11 @@ waits for by collective, the pipeline's bubble and the optimizer step.
 
 The pipeline is bound by its slowest rank: each of the step's M micro-batches passes
 through it (its compute and its exposed tp, ep and cp collectives). The schedule adds
-its bubble: 1F1B's P − 1 stage times, interleaving's (P − 1)/V, at the pipeline's mean
-rank time; ZBV and DualPipeV, which fill the bubble with weight-gradient work, about a
-third of it. Where one micro-batch's expert exchange runs beside another's compute
+its bubble, at the pipeline's mean rank time: the schedule's own order played out
+(``bubble_share``: 1F1B's P − 1, interleaving's about (P − 1)/V, less where ZBV and
+DualPipeV fill it with weight-gradient work), a hidden state or its gradient crossing
+between pipeline ranks at the point-to-point rate of the link it crosses. Where one
+micro-batch's expert exchange runs beside another's compute
 (``ep_overlap``, DualPipe's and DualPipeV's pairs), compute hides the generation's
 ``overlap`` share of it, up to the compute it pairs with: the exchange's kernels take
 SMs and the pairing is not perfect. The data-parallel collectives'
@@ -15,10 +17,14 @@ exposed part and the optimizer step come once a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from europa.plan.comm_time import comm_by_rank, dp_seconds
 from europa.plan.compute_time import compute_by_rank, optimizer_seconds
+from europa.plan.links import p2p_seconds
 from europa.plan.record import Run
+from europa.plan.schedules import rank_orders
+from europa.plan.simulate import simulate
 
 COMPUTE_KINDS = ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute")
 
@@ -29,22 +35,68 @@ class StepTime:
 
     terms: dict[str, float]
     slowest_rank: int
+    bubble_from: str  # "simulated", "closed form" or "no stages"
 
     @property
     def total(self) -> float:
         return sum(self.terms.values())
 
 
-def bubble_share(run: Run) -> float:
-    """The schedule's idle time, in mean rank times of one micro-batch."""
+# europa-plan's schedule names -> the simulated order's. DeepSeek's bidirectional
+# DualPipe has DualPipeV's bubble (DualPipeV is its V-shaped half): its order stands in.
+SIMULATED = {
+    "1f1b": "1f1b",
+    "interleaved": "interleaved-1f1b",
+    "zbv": "zbv",
+    "dualpipev": "dualpipev",
+    "dualpipe": "dualpipev",
+}
+
+
+def bubble_share(run: Run, transfer: float = 0.0) -> tuple[float, str]:
+    """The schedule's idle time, in mean rank times of one micro-batch, and how it was
+    found: the schedule's own order played out (``europa.plan.simulate``: every stage of
+    equal time, ``transfer`` the share of a rank's time a hidden state takes between
+    ranks), or, where the schedule refuses the shape, its closed form (1F1B's P − 1,
+    interleaving's (P − 1)/V, a third of it with a split backward)."""
     lay = run.layout
     if lay.pp == 1:
-        return 0.0
+        return 0.0, "no stages"
+    schedule, micro = SIMULATED[lay.schedule], run.micro_batches
+    rounded = float(f"{transfer:.2g}")  # a fit's thousands of plans then share a few
+    try:
+        return _simulated_bubble(schedule, lay.pp, lay.vp, micro, rounded), "simulated"
+    except ValueError:
+        pass
     if lay.schedule == "1f1b":
-        return lay.pp - 1
+        return lay.pp - 1, "closed form"
     if lay.schedule == "interleaved":
-        return (lay.pp - 1) / lay.vp
-    return (lay.pp - 1) / (3 * lay.vp)  # zbv, dualpipev, dualpipe: B/W split fills most
+        return (lay.pp - 1) / lay.vp, "closed form"
+    return (lay.pp - 1) / (3 * lay.vp), "closed form"
+
+
+@cache
+def _simulated_bubble(schedule: str, pp: int, per_rank: int, micro: int, transfer: float) -> float:
+    """The step less one rank's work, in a rank's micro-batch times: a stage takes
+    1/per_rank of it, a hidden state between two ranks ``transfer`` (none within one)."""
+    orders = rank_orders(schedule, pp, per_rank, micro)
+    rank_of = {a.stage: r for r, order in orders.items() for a in order}
+    played = simulate(
+        orders,
+        compute_s=lambda stage: 1 / per_rank,
+        transfer_s=lambda a, b: transfer if rank_of[a] != rank_of[b] else 0.0,
+    )
+    return played.step_s - micro
+
+
+def stage_transfer_seconds(run: Run) -> float:
+    """One micro-batch's hidden state (or its gradient) from one pipeline rank to the
+    next: the rank's tokens × the width in bf16, across the network where a pipeline
+    rank's tp × cp × dp GPUs fill a domain (pp is the outermost axis)."""
+    lay = run.layout
+    tokens = run.micro_batch * run.seq_len / lay.cp / (lay.tp if lay.sequence_parallel else 1)
+    crosses = lay.tp * lay.cp * lay.dp >= run.gpu.gpus_per_node
+    return p2p_seconds(tokens * run.model.dim * 2, crosses, run.gpu, run.gpu.efficiencies)
 
 
 def predict_step(run: Run) -> StepTime:
@@ -62,7 +114,9 @@ def predict_step(run: Run) -> StepTime:
     terms = {f"{kind}_s": getattr(c, kind) * m for kind in COMPUTE_KINDS}
     terms |= {"tp_exposed_s": k.tp * m, "ep_exposed_s": ep * m, "cp_exposed_s": k.cp * m}
     mean = sum(r[3] for r in per_rank) / len(per_rank)
-    terms["bubble_s"] = bubble_share(run) * mean
+    transfer = stage_transfer_seconds(run) / mean if run.layout.pp > 1 else 0.0
+    share, bubble_from = bubble_share(run, transfer)
+    terms["bubble_s"] = share * mean
     terms["dp_exposed_s"] = dp_seconds(run, compute).exposed
     terms["optimizer_step_s"] = optimizer_seconds(run)
-    return StepTime(terms, slowest)
+    return StepTime(terms, slowest, bubble_from)
