@@ -1,4 +1,4 @@
-"""The plan of pipeline stages (``europa.core.pipeline.simulate``,
+"""The plan of pipeline stages (``europa.plan.simulate``,
 ``europa.core.plan.pipeline_plan``): the schedules' orders played out, and each pipeline
 rank planned over its own layers."""
 
@@ -9,15 +9,15 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from europa.core.pipeline.kinds import SCHEDULE_NAMES, stages_per_rank
-from europa.core.pipeline.simulate import (
+from europa.plan.schedules import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
     WEIGHT_GRAD,
     Action,
     rank_orders,
-    simulate,
 )
+from europa.plan.simulate import simulate
 
 schedules = st.sampled_from(SCHEDULE_NAMES)
 

@@ -1,7 +1,7 @@
-"""The planner's pipeline orders and simulation, written without torch, are the trainer's:
-the same per-rank orders as torch's schedules (read through ``europa.core``) wherever torch
-builds them, the same refusals where it does not, the same simulated step; and every order
-runs each computation once."""
+"""The planner's pipeline orders, written without torch, are the trainer's: the same
+per-rank orders as torch's schedules wherever torch builds them, the same refusals where
+it does not; and every order runs each computation once (europa-core's planner and
+trainer take their simulation from here)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from europa.core.pipeline import simulate as core
 from europa.core.pipeline.stages import stages_of_rank as core_stages_of_rank
 from europa.plan import simulate
 from europa.plan.schedules import (
@@ -24,6 +23,7 @@ from europa.plan.schedules import (
     rank_orders,
     stages_of_rank,
 )
+from tests.europa_plan.torch_orders import torch_rank_orders
 
 PER_RANK = {"1f1b": (1,), "interleaved-1f1b": (2, 3, 4), "zbv": (2,), "dualpipev": (2,)}
 
@@ -40,7 +40,7 @@ def _plain(orders) -> dict[int, list[tuple[int, str, int, bool]]]:
 
 def _torch_orders(schedule: str, pp: int, per_rank: int, micro: int):
     try:
-        return _plain(core.rank_orders(schedule, pp, per_rank, micro))
+        return _plain(torch_rank_orders(schedule, pp, per_rank, micro))
     except ValueError:
         return ValueError
 
@@ -76,40 +76,6 @@ def test_an_unknown_schedule_or_a_v_of_three_stages_is_refused():
 
 def _stage_rank(schedule: str, pp: int, per_rank: int) -> dict[int, int]:
     return {s: r for r in range(pp) for s in stages_of_rank(schedule, r, pp, per_rank)}
-
-
-@pytest.mark.parametrize(
-    "exchange", [None, lambda stage: 0.3 + 0.05 * stage], ids=["in-turn", "side-by-side"]
-)
-@pytest.mark.parametrize(
-    ("schedule", "pp", "per_rank", "micro"),
-    [
-        ("1f1b", 4, 1, 8),
-        ("interleaved-1f1b", 4, 2, 8),
-        ("interleaved-1f1b", 3, 3, 5),
-        ("zbv", 4, 2, 6),
-        ("dualpipev", 3, 2, 8),
-        ("dualpipev", 4, 2, 12),
-    ],
-)
-def test_the_simulated_step_is_the_trainers(schedule, pp, per_rank, micro, exchange):
-    rank_of = _stage_rank(schedule, pp, per_rank)
-    timings = dict(
-        compute_s=lambda stage: 1.0 + 0.1 * stage,
-        transfer_s=lambda a, b: 0.0 if rank_of[a] == rank_of[b] else 0.05,
-        held_bytes=lambda stage: 10.0 + stage,
-        exchange_s=exchange,
-    )
-    ours = simulate.simulate(rank_orders(schedule, pp, per_rank, micro), **timings)
-    theirs = core.simulate(core.rank_orders(schedule, pp, per_rank, micro), **timings)
-    assert (ours.step_s, ours.busy_s, ours.peak_held, ours.finished_s) == (
-        theirs.step_s,
-        theirs.busy_s,
-        theirs.peak_held,
-        theirs.finished_s,
-    )
-    assert [ours.bubble(r) for r in range(pp)] == [theirs.bubble(r) for r in range(pp)]
-    assert ours.mean_bubble == theirs.mean_bubble
 
 
 def test_an_order_that_cannot_proceed_is_refused():

@@ -1,20 +1,31 @@
-"""A pipeline step played out from each rank's order of computations
-(``europa.plan.schedules``): when each rank computes, when it waits, and how many
-micro-batches' activations it holds. The planner's copy of ``europa.core.pipeline.simulate``,
-which it cannot import (torch); the two must agree, and a test holds them to it.
+"""A pipeline step played out from the schedule's own order: when each rank computes, when it
+waits, and how many micro-batches' activations it holds.
 
-An action starts when its rank is free and what it needs has arrived: the previous stage's
-forward of the micro-batch (one transfer later when that stage is on another rank), the next
-stage's backward of it, and for ``W`` its own ``I``. It lasts its share of the stage's
-planned compute for one micro-batch (``Action.share``). A micro-batch's activations are held
-from a stage's forward to the end of its backward (``B``, or ``W``: the weights' gradient
-reads most of what the forward saved).
+Design note. Each rank runs its list of actions in order, as torch's schedule does: a
+forward (``F``) of stage s for micro-batch m, its whole backward (``B``), or a backward
+split in two, the input's gradient (``I``) and then the weights' (``W``). The lists are
+torch's own, written out without torch in ``europa.plan.schedules`` (a test holds them to
+torch's); europa-core's planner plays its pipelines out here too. An action starts when
+its rank is free and what it needs has arrived: the previous stage's forward of the
+micro-batch (one transfer later when that stage is on another rank), the next stage's
+backward of it, and for ``W`` its own ``I``. Its duration is the stage's planned compute
+for one micro-batch: a forward a third of it, a whole backward two thirds, each half of a
+split backward a third. The first stage's input is tokens, which take no gradient: its
+``I`` computes nothing and its ``W`` the whole backward (torch runs the backward there
+when asked for the weights').
 
-Paired chunks (DualPipeV's forward and another stage's backward) leave together when both
-are done. They run in turn, as torch runs them, unless ``exchange_s`` says how much of a
-stage's time is its exposed expert exchange: then side by side, both starting once both
-inputs have arrived, one part's exchange travelling while the other computes, so the pair
-takes ``max(cF + cB, xF + xB, cF + xF, cB + xB)`` (compute ``c``, exchange ``x``).
+A micro-batch's activations are held from a stage's forward to the end of its backward
+(``B``, or ``W``: the weights' gradient reads most of what the forward saved).
+
+Paired chunks (DualPipeV's ``OVERLAP_F_B``: a forward and another stage's backward) are
+one action to torch: their outputs leave when both parts are done. They run in turn, as
+torch runs them (the backward when the forward is done and its input has arrived), unless
+``exchange_s`` says how much of a stage's time is its exposed expert exchange: then they
+run side by side (as europa-core's trainer runs them: ``europa.core.pipeline.paired``),
+both starting once both inputs have arrived. Each part is its compute ``c`` and its
+exchange ``x`` in the same shares; one part's exchange travels while the other computes,
+so the pair takes the longest of: both computes (one device), both exchanges (one link),
+and each part alone, ``max(cF + cB, xF + xB, cF + xF, cB + xB)``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ trained alone:
 
 * **Activations in flight.** A rank holds several micro-batches' saved activations at
   once (1F1B's first stage holds ``P``). The schedule's own order, played out
-  (``europa.core.pipeline.simulate``), gives the most any rank holds at once, stage by
+  (``europa.plan.simulate``, europa-plan's), gives the most any rank holds at once, stage by
   stage, on the device and in host memory (europa-offload's share).
 * **The step.** Each stage's forward and backward of one micro-batch takes its rank's
   planned step (compute and the exposed traffic of its own layout) over the
@@ -32,7 +32,6 @@ from pathlib import Path
 from europa.core.job import Job
 from europa.core.pipeline.cut import EMBEDDING, HEAD
 from europa.core.pipeline.kinds import STAGE_SEND_KIND, stages_per_rank
-from europa.core.pipeline.simulate import Simulation, rank_orders, simulate
 from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
 from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_activations
 from europa.core.plan.checkpoint_cost import write_seconds
@@ -40,6 +39,8 @@ from europa.core.plan.memory import unique_state_bytes
 from europa.core.plan.record import PipelinePlan, PipelineRank
 from europa.core.plan.timing import StepTime
 from europa.core.plan.traffic import EXCHANGE_KIND, INTER, INTRA, Traffic
+from europa.plan.schedules import rank_orders
+from europa.plan.simulate import Simulation, simulate
 from europa.spec.lanes import lanes_wanted
 
 ROOT = "<root>"  # the activations of the embedding, the final norm and the loss
