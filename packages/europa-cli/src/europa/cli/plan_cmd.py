@@ -77,6 +77,20 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
                 "comma separated, 'last' for the last one.",
             ),
         ] = None,
+        runs: Annotated[
+            str | None,
+            typer.Option(
+                "--runs",
+                metavar="PATH.toml",
+                help="Plan the runs of a runs file instead ([[gpu]], [[model]], [[run]] tables, "
+                "as benchmarks/published_runs.toml): FLOPs, memory and step time from "
+                "europa-plan, each against its published figures where the file gives them.",
+            ),
+        ] = None,
+        run_id: Annotated[
+            str | None,
+            typer.Option("--run", metavar="ID", help="With --runs: only this run."),
+        ] = None,
         routing: Annotated[
             str | None,
             typer.Option(
@@ -92,6 +106,16 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         Exit status: 0 fits, 1 does not fit, 2 bad input."""
         from europa.core.plan import load_profile, make_plan
         from europa.core.plan.report import plan_json, plan_table
+
+        if runs is not None or run_id is not None:
+            given = {
+                "config": config, "-p": plugin, "--set": set_, "--hardware": hardware,
+                "--nodes": nodes, "--replicas": replicas, "--gpus-per-replica": gpus_per_replica,
+                "--search": search or None, "--measure-hardware": measure_hardware or None,
+                "--out": out, "--execute": execute, "--routing": routing,
+            }  # fmt: skip
+            _plan_runs(runs, run_id, as_json, {k: v for k, v in given.items() if v})
+            return
 
         overrides = list(set_ or [])
         if out is not None and not measure_hardware:
@@ -159,6 +183,26 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         print(json.dumps(document, indent=2) if as_json else text)
         if not plan.fits:
             raise typer.Exit(DOES_NOT_FIT)
+
+
+def _plan_runs(path: str | None, run_id: str | None, as_json: bool, others: dict) -> None:
+    """``--runs``: each run of a runs file planned by europa-plan, the planner checked on
+    published runs; exit 1 when one does not fit its GPU."""
+    from europa.plan import load_runs
+    from europa.plan.plan import plan_run
+    from europa.plan.table import plans_table
+
+    if path is None:
+        raise ConfigError(f"--run = {run_id!r}: expected only with --runs")
+    if others:
+        key, value = next(iter(others.items()))
+        raise ConfigError(f"{key} = {value!r}: expected nothing else with --runs (a run file "
+                          "states its model, layout and GPU)")  # fmt: skip
+    runs_file = load_runs(path)
+    plans = [plan_run(run) for run in ([runs_file.run(run_id)] if run_id else runs_file.runs)]
+    print(json.dumps({"runs": plans}, indent=2) if as_json else plans_table(plans))
+    if not all(plan["fits"] for plan in plans):
+        raise typer.Exit(DOES_NOT_FIT)
 
 
 def _routing_model(execute, routing, measure_hardware):
