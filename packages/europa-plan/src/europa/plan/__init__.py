@@ -12,7 +12,7 @@ from pathlib import Path
 
 from europa.plan.builtin import builtin_tables
 from europa.plan.errors import PlanInputError
-from europa.plan.reader import RunsFile, read_runs
+from europa.plan.reader import RunsFile, read_runs, read_tables
 
 
 def load_runs(path: str | Path) -> RunsFile:
@@ -21,4 +21,9 @@ def load_runs(path: str | Path) -> RunsFile:
     return read_runs(path, builtin_tables())
 
 
-__all__ = ["PlanInputError", "RunsFile", "load_runs"]
+def builtins() -> RunsFile:
+    """The built-in generations, GPUs and models alone, as an empty runs file knows them."""
+    return read_tables({}, builtin_tables(), Path("builtin.toml"))
+
+
+__all__ = ["PlanInputError", "RunsFile", "builtins", "load_runs"]

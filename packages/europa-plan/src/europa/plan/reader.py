@@ -288,8 +288,13 @@ def read_runs(path: str | Path, builtin: Mapping[str, Sequence[Mapping[str, Any]
     """Read and check a whole runs file. ``builtin`` holds the generation, gpu and model
     tables every file may name (``europa.plan.load_runs`` passes europa-plan's own); a
     file's table with the id of a built-in one overrides the keys it states."""
-    path = Path(path)
-    data = _load(path)
+    return read_tables(_load(Path(path)), builtin, Path(path))
+
+
+def read_tables(
+    data: Mapping[str, Any], builtin: Mapping[str, Sequence[Mapping[str, Any]]], path: Path
+) -> RunsFile:
+    """``read_runs`` of a file already parsed (``path`` names it in a refusal)."""
     for key in data:
         if key not in TABLES:
             raise PlanInputError(
