@@ -10,3 +10,6 @@ class PlanInputError(ValueError):
     traceback and exits 2 (europa-plan does not import europa-spec: it installs alone)."""
 
     europa_user_error = True
+
+    def __str__(self) -> str:  # one line, whatever a file's values hold
+        return " ".join(super().__str__().replace("\n", "\\n").split())

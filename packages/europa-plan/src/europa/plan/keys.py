@@ -51,6 +51,13 @@ def _text(value: Any) -> str:
     return value
 
 
+def _name(value: Any) -> str:
+    """A name another table refers to (a model's, a gpu's, a generation's): one line."""
+    if not isinstance(value, str) or not value or not value.isprintable():
+        raise BadValue("a one-line printable string")
+    return value
+
+
 def _flag(value: Any) -> bool:
     if not isinstance(value, bool):
         raise BadValue("true or false")
@@ -105,7 +112,7 @@ def _published(value: Any) -> Published:
 
 POSITIVE, COUNT = _int(1), _int(0)
 GPU_REQUIRED = {
-    "id": _text,
+    "id": _name,
     "peak_tflops": _peaks,
     "hbm_gb": _number,
     "hbm_tbps": _number,
@@ -113,7 +120,7 @@ GPU_REQUIRED = {
     "nvlink_gbps": _number,
     "network_gbps": _number,
 }
-GPU_REQUIRED["generation"] = _text
+GPU_REQUIRED["generation"] = _name
 GPU_REQUIRED["sm_count"] = POSITIVE
 GPU_OPTIONAL = {"source": _text}
 
@@ -134,7 +141,7 @@ def _efficiencies(value: Any) -> MappingProxyType[str, float]:
 
 
 GENERATION_REQUIRED = {
-    "id": _text,
+    "id": _name,
     "gemm": _efficiencies,
     "grouped_gemm": _efficiency,
     "attention": _efficiency,
@@ -146,7 +153,7 @@ GENERATION_REQUIRED = {
 GENERATION_OPTIONAL = {"fitted": _text}
 
 MODEL_REQUIRED = {
-    "id": _text,
+    "id": _name,
     "family": _one_of(FAMILIES),
     "n_layers": POSITIVE,
     "dim": POSITIVE,
@@ -181,9 +188,9 @@ FAMILY_OPTIONAL = {
 }
 
 RUN_REQUIRED = {
-    "id": _text,
-    "model": _text,
-    "gpu": _text,
+    "id": _name,
+    "model": _name,
+    "gpu": _name,
     "gpus": POSITIVE,
     "precision": _one_of(tuple(PRECISION_PEAK)),
     "seq_len": POSITIVE,

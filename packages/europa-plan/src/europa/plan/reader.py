@@ -131,8 +131,10 @@ def _tables(path: Path, data: dict[str, Any], name: str) -> list[dict[str, Any]]
 
 def _id(path: Path, kind: str, index: int, table: dict[str, Any]) -> str:
     value = table.get("id")
-    if not isinstance(value, str) or not value:
-        raise PlanInputError(f"{path}: {kind} #{index + 1}: id = {value!r}: expected a string")
+    if not isinstance(value, str) or not value or not value.isprintable():
+        raise PlanInputError(
+            f"{path}: {kind} #{index + 1}: id = {value!r}: expected a one-line printable string"
+        )
     return value
 
 
