@@ -186,3 +186,15 @@ def test_a_layout_is_read_exactly_when_it_multiplies_out_and_divides(tmp_path_fa
     else:
         assert fits
         assert read.layout.gpus == read.gpus and read.micro_batches * read.layout.dp == 48
+
+
+def test_a_precision_needs_its_peak_and_its_generations_efficiency(tmp_path):
+    tables = valid_tables()
+    tables["gpu"][0]["peak_tflops"] = {"float8": 1000.0}
+    result = europa_plan(write_runs(tmp_path / "a.toml", **tables))
+    assert result.returncode == 2 and "expected a table with a bfloat16 peak" in result.stderr
+    tables = valid_tables()
+    tables["gpu"][0]["peak_tflops"] = {"bfloat16": 500.0, "mxfp8": 1000.0}
+    tables["run"][0]["precision"] = "mxfp8"  # the gpu is Hopper's: no mxfp8 efficiency
+    result = europa_plan(write_runs(tmp_path / "b.toml", **tables))
+    assert result.returncode == 2 and "generation hopper has a GEMM efficiency" in result.stderr

@@ -82,6 +82,8 @@ def _peaks(value: Any) -> MappingProxyType[str, float]:
             out[name] = _number(peak)
         except BadValue:
             raise BadValue(f"a positive number for {name}") from None
+    if "bfloat16" not in out:  # attention, the head and the routers run in bf16 always
+        raise BadValue("a table with a bfloat16 peak, e.g. { bfloat16 = 989.0 }")
     return MappingProxyType(out)
 
 
@@ -132,7 +134,7 @@ def _efficiency(value: Any) -> float:
 
 
 def _efficiencies(value: Any) -> MappingProxyType[str, float]:
-    if not isinstance(value, dict) or not value:
+    if not isinstance(value, dict) or "bfloat16" not in value:
         raise BadValue("a table of shares of the peak by precision, e.g. { bfloat16 = 0.7 }")
     try:
         return MappingProxyType({name: _efficiency(v) for name, v in value.items()})

@@ -276,6 +276,11 @@ def check_run(where: Where, run: Run) -> None:
             "precision", run.precision, f"a precision gpu {run.gpu.id} has a peak for "
             f"(peak_tflops.{peak} is not given)"
         )  # fmt: skip
+    if peak not in run.gpu.efficiencies.gemm:
+        raise where.error(
+            "precision", run.precision, f"a precision generation {run.gpu.generation} has a "
+            f"GEMM efficiency for (gemm.{peak} is not given)"
+        )  # fmt: skip
 
 
 TABLES = ("generation", "gpu", "model", "run")
