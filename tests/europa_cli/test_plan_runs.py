@@ -58,3 +58,26 @@ def test_a_bad_runs_file_is_one_line_naming_the_run_and_key(capsys, tmp_path):
     err = capsys.readouterr().err
     assert 'run "mbridge-25.09-h100-deepseek-v3-fp8-1024g": dp = 64' in err
     assert len(err.splitlines()) == 1
+
+
+def test_a_config_europa_plan_prices_is_planned_by_it_too(capsys):
+    """``europa plan`` prints europa-plan's step for the same run beside its own: the same
+    answer ``europa-plan`` gives for the record europa-core makes of the config."""
+    from europa.core.plan.plan_record import run_record
+    from europa.core.plugins import EuropaPluginManager
+    from europa.core.session import open_session
+
+    argv = ["plan", "kimi-k2", "--hardware", "gh200-jupiter", "--nodes", "16", "--json"]
+    assert run(argv) == 1  # FSDP2 alone does not fit Kimi-K2 on 64 GPUs
+    checked = json.loads(capsys.readouterr().out)["europa_plan"]
+    config, _ = open_session("kimi-k2", [], [], EuropaPluginManager())
+    expected = plan_run(run_record(config, "gh200-jupiter", 64))["time"]["predicted_step_s"]
+    assert checked["priced"] and checked["time"]["predicted_step_s"] == expected
+
+
+def test_what_europa_plan_does_not_price_says_so_beside_the_plan(capsys):
+    argv = ["plan", "debug", "--hardware", "gh200-jupiter", "-p", "flexshard"]
+    run(argv)
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.strip().startswith("europa-plan (checked on published runs): not priced:")
+    assert "does not price flexshard yet" in line

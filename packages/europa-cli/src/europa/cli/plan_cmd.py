@@ -173,6 +173,8 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         if not search:
             plan = plan_for(resolved, world)
             document, text = plan_json(plan), plan_table(plan)
+            document["europa_plan"] = _checked_plan(resolved, profile.name, world)
+            text += "\n" + _checked_line(document["europa_plan"])
         else:
             plan, document, text = _search(
                 config, overrides, plugin or [], manager, resolved, profile, world, shapes, plan_for
@@ -183,6 +185,32 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
         print(json.dumps(document, indent=2) if as_json else text)
         if not plan.fits:
             raise typer.Exit(DOES_NOT_FIT)
+
+
+def _checked_plan(config, hardware: str, world: int) -> dict:
+    """The same run planned by europa-plan, the planner checked on published runs, where
+    it can price the config; else why not."""
+    from europa.core.plan.plan_record import run_record
+    from europa.plan.plan import plan_run
+
+    try:
+        run = run_record(config, hardware, world)
+    except ConfigError as err:
+        return {"priced": False, "why": str(err)}
+    planned = plan_run(run)
+    return {"priced": True, "time": planned["time"], "memory_gib": planned["memory_gib"],
+            "fits": planned["fits"], "layout": planned["layout"]}  # fmt: skip
+
+
+def _checked_line(checked: dict) -> str:
+    head = "  europa-plan (checked on published runs):"
+    if not checked["priced"]:
+        return f"{head} not priced: {checked['why']}"
+    memory = checked["memory_gib"]
+    return (
+        f"{head} {checked['time']['predicted_step_s']:.2f} s a step, "
+        f"{memory['planned']:.1f} of {memory['hbm']:.0f} GiB a GPU ({checked['layout']})"
+    )
 
 
 def _plan_runs(path: str | None, run_id: str | None, as_json: bool, others: dict) -> None:
