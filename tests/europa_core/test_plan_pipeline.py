@@ -8,11 +8,12 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from europa.core.pipeline.kinds import SCHEDULE_NAMES, stages_per_rank
+from europa.core.pipeline.kinds import stages_per_rank
 from europa.plan.schedules import (
     BACKWARD,
     FORWARD,
     INPUT_GRAD,
+    SCHEDULE_NAMES,
     WEIGHT_GRAD,
     Action,
     rank_orders,

@@ -11,7 +11,6 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from europa.core.pipeline.stages import stages_of_rank as core_stages_of_rank
 from europa.plan import simulate
 from europa.plan.schedules import (
     BACKWARD,
@@ -60,10 +59,12 @@ def test_each_rank_runs_torchs_order(schedule, pp):
         for micro in _micro_counts(pp):
             wanted = _torch_orders(schedule, pp, per_rank, micro)
             assert _our_orders(schedule, pp, per_rank, micro) == wanted, (per_rank, micro)
-            built += wanted is not ValueError
-            for rank in range(pp):
-                expected = core_stages_of_rank(schedule, rank, pp, per_rank)
-                assert stages_of_rank(schedule, rank, pp, per_rank) == expected
+            if wanted is ValueError:
+                continue
+            built += 1
+            for rank, order in wanted.items():  # the stages torch runs on each rank
+                held = set(stages_of_rank(schedule, rank, pp, per_rank))
+                assert {stage for stage, *_ in order} == held, (rank, per_rank, micro)
     assert built  # torch builds some of every schedule's shapes
 
 

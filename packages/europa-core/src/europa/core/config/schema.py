@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from europa.core.config.fields import ConfigSection, setting
-from europa.core.pipeline.kinds import SCHEDULE_NAMES
 from europa.core.seeds import MAX_SEED
+from europa.plan.schedules import SCHEDULE_NAMES
 from europa.spec.lanes import OVERLAP_F_B_MODES
 
 

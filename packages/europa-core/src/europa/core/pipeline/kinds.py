@@ -1,10 +1,10 @@
-"""The pipeline schedules by name and the stages each holds a rank: facts the config
-rules read before any rank starts, so nothing here imports torch."""
+"""What the config rules read of a pipeline schedule (its names and stage placement are
+europa-plan's, ``europa.plan.schedules``) before any rank starts: nothing here imports torch."""
 
 from __future__ import annotations
 
-SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
+from europa.plan.schedules import V_SHAPED  # the planner's: one placement of the stages
+
 SPLIT_BACKWARD = ("zbv", "dualpipev")  # input gradients, then weight gradients apart
 SINGLE_STAGE = ("1f1b",)
 STAGE_SEND_KIND = "pipeline_send"  # the planner's traffic kind: hidden states and gradients

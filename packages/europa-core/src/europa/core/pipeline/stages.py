@@ -12,14 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from europa.core.pipeline.cut import model_cut, stage_module_names, stated_cut
-from europa.core.pipeline.kinds import V_SHAPED, stages_per_rank
-
-
-def stages_of_rank(schedule: str, pp_rank: int, pp: int, per_rank: int) -> list[int]:
-    """The stage indices pipeline rank ``pp_rank`` holds, in the order it runs them."""
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp - 1 - pp_rank]
-    return [pp_rank + k * pp for k in range(per_rank)]
+from europa.core.pipeline.kinds import stages_per_rank
+from europa.plan.schedules import stages_of_rank  # europa-plan's placement, the planner's too
 
 
 def stage_count(parallel) -> int:

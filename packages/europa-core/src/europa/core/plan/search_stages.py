@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.core.pipeline.kinds import SCHEDULE_NAMES
+from europa.plan.schedules import SCHEDULE_NAMES
 
 STAGE_COUNTS = (2, 4, 8, 16)
 # What the stage levers choose themselves; the rest of the best layout's settings stay.
