@@ -110,3 +110,15 @@ def test_the_first_rank_holds_the_most_micro_batches(run, pp, vp):
 def test_every_published_run_fits_its_gpu(run):
     memory = plan_memory(run)
     assert memory.total <= hbm_gib(run), memory
+
+
+@given(st.sampled_from(RUNS), st.sampled_from([2, 3, 4, 8]), st.sampled_from(["zbv", "dualpipev"]))
+def test_a_v_schedule_holds_the_embedding_and_the_head_on_rank_0(run, pp, schedule):
+    """Stage r and 2pp − 1 − r on rank r: the first and the last stage share rank 0."""
+    if 2 * pp > run.model.n_layers:
+        return
+    stages = rank_stages(_layout(run, pp=pp, vp=2, schedule=schedule))
+    assert stages[0].embedding and stages[0].head
+    assert not any(s.embedding or s.head for s in stages[1:])
+    assert sorted(i for s in stages for i in s.layers) == list(range(run.model.n_layers))
+    assert set(stages[0].layers) >= {0, run.model.n_layers - 1}

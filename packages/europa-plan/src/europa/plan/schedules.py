@@ -22,6 +22,16 @@ SHARE = {FORWARD: 1 / 3, BACKWARD: 2 / 3, INPUT_GRAD: 1 / 3, WEIGHT_GRAD: 1 / 3}
 FIRST_STAGE_SHARE = {**SHARE, INPUT_GRAD: 0.0, WEIGHT_GRAD: SHARE[BACKWARD]}
 
 SCHEDULE_NAMES = ("1f1b", "interleaved-1f1b", "zbv", "dualpipev")
+# A run's pipeline_schedule (``europa.plan.record.SCHEDULES``) -> the order it runs.
+# DeepSeek's bidirectional DualPipe has DualPipeV's bubble and placement (DualPipeV is its
+# V-shaped half): its order stands in.
+ORDER_OF = {
+    "1f1b": "1f1b",
+    "interleaved": "interleaved-1f1b",
+    "zbv": "zbv",
+    "dualpipev": "dualpipev",
+    "dualpipe": "dualpipev",
+}
 V_SHAPED = ("zbv", "dualpipev")  # two stages a rank, r and 2P - 1 - r
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from europa.plan.record import Run
+from europa.plan.schedules import ORDER_OF, stages_of_rank
 
 
 @dataclass(frozen=True)
@@ -24,20 +25,25 @@ class RankStage:
 def rank_stages(run: Run) -> tuple[RankStage, ...]:
     """Layers are cut into pp × vp chunks in order, as evenly as they go: a chunk with one
     layer more sits in the middle (the first and the last also hold the embedding and
-    the head), and chunk c runs on rank c mod pp."""
+    the head). Each chunk runs where the schedule places its stage
+    (``europa.plan.schedules.stages_of_rank``: chunk c on rank c mod pp, or the V's r and
+    2pp − 1 − r, which puts the head on rank 0)."""
     lay, n_layers = run.layout, run.model.n_layers
     chunks = lay.pp * lay.vp
     base, extra = divmod(n_layers, chunks)
     sizes = [base + (1 if 0 < c <= extra else 0) for c in range(chunks)]
     if extra == chunks - 1:  # every chunk but one has one more: the first is the short one
         sizes = [base, *[base + 1] * (chunks - 1)]
+    order = ORDER_OF[lay.schedule]
+    rank_of = {c: r for r in range(lay.pp) for c in stages_of_rank(order, r, lay.pp, lay.vp)}
     held: list[list[int]] = [[] for _ in range(lay.pp)]
     start = 0
     for chunk, size in enumerate(sizes):
-        held[chunk % lay.pp].extend(range(start, start + size))
+        held[rank_of[chunk]].extend(range(start, start + size))
         start += size
+    first, last = rank_of[0], rank_of[chunks - 1]
     return tuple(
-        RankStage(rank, tuple(held[rank]), embedding=rank == 0, head=rank == lay.pp - 1)
+        RankStage(rank, tuple(held[rank]), embedding=rank == first, head=rank == last)
         for rank in range(lay.pp)
     )
 

@@ -23,7 +23,7 @@ from europa.plan.comm_time import comm_by_rank, dp_seconds
 from europa.plan.compute_time import compute_by_rank, optimizer_seconds
 from europa.plan.links import p2p_seconds
 from europa.plan.record import Run
-from europa.plan.schedules import rank_orders
+from europa.plan.schedules import ORDER_OF, rank_orders
 from europa.plan.simulate import simulate
 
 COMPUTE_KINDS = ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute")
@@ -42,17 +42,6 @@ class StepTime:
         return sum(self.terms.values())
 
 
-# europa-plan's schedule names -> the simulated order's. DeepSeek's bidirectional
-# DualPipe has DualPipeV's bubble (DualPipeV is its V-shaped half): its order stands in.
-SIMULATED = {
-    "1f1b": "1f1b",
-    "interleaved": "interleaved-1f1b",
-    "zbv": "zbv",
-    "dualpipev": "dualpipev",
-    "dualpipe": "dualpipev",
-}
-
-
 def bubble_share(run: Run, transfer: float = 0.0) -> tuple[float, str]:
     """The schedule's idle time, in mean rank times of one micro-batch, and how it was
     found: the schedule's own order played out (``europa.plan.simulate``: every stage of
@@ -62,7 +51,7 @@ def bubble_share(run: Run, transfer: float = 0.0) -> tuple[float, str]:
     lay = run.layout
     if lay.pp == 1:
         return 0.0, "no stages"
-    schedule, micro = SIMULATED[lay.schedule], run.micro_batches
+    schedule, micro = ORDER_OF[lay.schedule], run.micro_batches
     rounded = float(f"{transfer:.2g}")  # a fit's thousands of plans then share a few
     try:
         return _simulated_bubble(schedule, lay.pp, lay.vp, micro, rounded), "simulated"
