@@ -61,11 +61,9 @@ def groups(run: Run) -> dict[str, Group]:
 def rank_comm(run: Run, stage: RankStage, compute: ComputeTerms) -> CommTerms:
     model, lay, gpu, eff = run.model, run.layout, run.gpu, efficiencies(run)
     group = groups(run)
-    tokens = run.micro_batch * run.seq_len / lay.cp
-    local = tokens / (lay.tp if lay.sequence_parallel else 1)
-    layers = len(stage.layers) + (model.mtp_modules if stage.head else 0)
-    dense_layers = stage.dense_layers(model.n_dense_layers) if model.moe else layers
-    moe_layers = layers - dense_layers
+    tokens, local = run.micro_batch_tokens, run.local_tokens
+    dense_layers, moe_layers = stage.layer_counts(model)
+    layers = dense_layers + moe_layers
     hidden = tokens * model.dim * BF16
     one = ring_seconds("all_gather", hidden, group["tp"], gpu, eff)
     one += ring_seconds("reduce_scatter", hidden, group["tp"], gpu, eff)

@@ -50,18 +50,10 @@ class _Work:
     moved: tuple[tuple[str, float], ...]  # (module, bytes) of memory-bound work, all passes
 
 
-def _tokens(run: Run) -> tuple[float, float]:
-    """Tokens of a micro-batch a GPU multiplies (sequence gathered over tp), and the tokens
-    it holds between the tp regions (split over tp with sequence parallelism)."""
-    lay = run.layout
-    tokens = run.micro_batch * run.seq_len / lay.cp
-    return tokens, tokens / (lay.tp if lay.sequence_parallel else 1)
-
-
 def layer_work(run: Run, moe_layer: bool) -> _Work:
     model, lay = run.model, run.layout
     tp, h = lay.tp, model.dim
-    tokens, local = _tokens(run)
+    tokens, local = run.micro_batch_tokens, run.local_tokens
     gemms: list[tuple[str, str, Gemm]] = []
     dense = lambda module, n, k: gemms.append(("dense", module, Gemm(tokens, n, k)))  # noqa: E731
     if model.mla:
@@ -113,7 +105,7 @@ def layer_work(run: Run, moe_layer: bool) -> _Work:
 def head_work(run: Run) -> _Work:
     """The output head and loss of the last rank (and each MTP module's), bf16."""
     model, lay = run.model, run.layout
-    tokens, _ = _tokens(run)
+    tokens = run.micro_batch_tokens
     heads = 1 + model.mtp_modules
     vocab = padded_vocab(model, lay.tp) / lay.tp
     gemms = [("head", "head", Gemm(tokens, vocab, model.dim, count=heads))]
@@ -164,12 +156,11 @@ def _seconds(run: Run, eff: Efficiencies, work: _Work, layers: int) -> dict[str,
 def rank_compute(run: Run, stage: RankStage) -> ComputeTerms:
     """One micro-batch through one pipeline rank's layers (and its head, on the last)."""
     model, eff = run.model, efficiencies(run)
-    layers = len(stage.layers) + (model.mtp_modules if stage.head else 0)
-    dense_layers = stage.dense_layers(model.n_dense_layers) if model.moe else layers
+    dense_layers, moe_layers = stage.layer_counts(model)
     total = dict.fromkeys(
         ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute"), 0.0
     )
-    parts = [(False, dense_layers), (True, layers - dense_layers)]
+    parts = [(False, dense_layers), (True, moe_layers)]
     works = [(layer_work(run, moe_layer=moe), count) for moe, count in parts if count]
     if stage.head:
         works.append((head_work(run), 1))

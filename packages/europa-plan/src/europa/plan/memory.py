@@ -84,9 +84,8 @@ def attention_params(model: Model) -> int:
 
 def rank_params(run: Run, stage: RankStage) -> _Params:
     model, lay = run.model, run.layout
-    layers = len(stage.layers) + (model.mtp_modules if stage.head else 0)
-    dense_layers = stage.dense_layers(model.n_dense_layers) if model.moe else layers
-    moe_layers = layers - dense_layers
+    dense_layers, moe_layers = stage.layer_counts(model)
+    layers = dense_layers + moe_layers
     attention = attention_params(model) / lay.tp
     dense_ffn = (dense_ffn_macs(model) + model.dim) / lay.tp
     shared = (model.num_shared_experts * expert_macs(model) + model.dim) / lay.tp
@@ -156,12 +155,11 @@ def activation_bytes_per_token(run: Run, moe_layer: bool) -> float:
 def _rank_activations(run: Run, stage: RankStage) -> tuple[float, float]:
     """Bytes of activations the rank keeps at its peak, and the micro-batches in flight."""
     model, lay = run.model, run.layout
-    tokens = run.micro_batch * run.seq_len / lay.cp
-    layers = len(stage.layers) + (model.mtp_modules if stage.head else 0)
-    dense_layers = stage.dense_layers(model.n_dense_layers) if model.moe else layers
+    tokens = run.micro_batch_tokens
+    dense_layers, moe_layers = stage.layer_counts(model)
     per_micro_batch = tokens * (
         dense_layers * activation_bytes_per_token(run, moe_layer=False)
-        + (layers - dense_layers) * activation_bytes_per_token(run, moe_layer=True)
+        + moe_layers * activation_bytes_per_token(run, moe_layer=True)
     )
     in_flight = micro_batches_in_flight(run, stage.rank)
     total = per_micro_batch * in_flight

@@ -232,6 +232,18 @@ class Run:
         return self.global_batch * self.seq_len
 
     @property
+    def micro_batch_tokens(self) -> float:
+        """Tokens of a micro-batch a GPU multiplies: its cp chunk, gathered over tp."""
+        return self.micro_batch * self.seq_len / self.layout.cp
+
+    @property
+    def local_tokens(self) -> float:
+        """Tokens of a micro-batch a GPU holds between the tp regions: split over tp
+        with sequence parallelism."""
+        sp = self.layout.tp if self.layout.sequence_parallel else 1
+        return self.micro_batch_tokens / sp
+
+    @property
     def micro_batches(self) -> int:
         """Micro-batches each pipeline runs a step (gradient accumulation steps)."""
         return self.global_batch // (self.micro_batch * self.layout.dp)

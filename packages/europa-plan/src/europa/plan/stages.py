@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from europa.plan.record import Run
+from europa.plan.record import Model, Run
 from europa.plan.schedules import ORDER_OF, stages_of_rank
 
 
@@ -18,8 +18,14 @@ class RankStage:
     embedding: bool
     head: bool  # the output head, its loss and the MTP modules
 
-    def dense_layers(self, n_dense: int) -> int:
-        return sum(1 for i in self.layers if i < n_dense)
+    def layer_counts(self, model: Model) -> tuple[int, int]:
+        """The dense and the MoE layers the rank runs, a MTP module (on the head's rank) as
+        one more layer of the last layer's kind."""
+        layers = len(self.layers) + (model.mtp_modules if self.head else 0)
+        if not model.moe:
+            return layers, 0
+        dense = sum(1 for i in self.layers if i < model.n_dense_layers)
+        return dense, layers - dense
 
 
 def rank_stages(run: Run) -> tuple[RankStage, ...]:

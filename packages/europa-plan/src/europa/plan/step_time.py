@@ -83,9 +83,8 @@ def stage_transfer_seconds(run: Run) -> float:
     next: the rank's tokens × the width in bf16, across the network where a pipeline
     rank's tp × cp × dp GPUs fill a domain (pp is the outermost axis)."""
     lay = run.layout
-    tokens = run.micro_batch * run.seq_len / lay.cp / (lay.tp if lay.sequence_parallel else 1)
     crosses = lay.tp * lay.cp * lay.dp >= run.gpu.gpus_per_node
-    return p2p_seconds(tokens * run.model.dim * 2, crosses, run.gpu, run.gpu.efficiencies)
+    return p2p_seconds(run.local_tokens * run.model.dim * 2, crosses, run.gpu, run.gpu.efficiencies)
 
 
 def predict_step(run: Run) -> StepTime:
