@@ -7,7 +7,8 @@ import dataclasses
 from pathlib import Path
 
 from europa.plan import fit, load_runs
-from europa.plan.fit import fit_generation, generation_toml, log_errors, published_step
+from europa.plan.fit import fit_generation, generation_toml, log_errors
+from europa.plan.flops import published_step
 
 PUBLISHED = Path(__file__).resolve().parents[2] / "benchmarks" / "published_runs.toml"
 RUNS = load_runs(PUBLISHED).runs

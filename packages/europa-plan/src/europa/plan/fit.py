@@ -24,7 +24,7 @@ from types import MappingProxyType
 
 from europa.plan import load_runs
 from europa.plan.errors import PlanInputError
-from europa.plan.flops import source_flops_per_token
+from europa.plan.flops import published_step
 from europa.plan.record import PRECISION_PEAK, Efficiencies, Run
 from europa.plan.step_time import predict_step
 
@@ -40,16 +40,6 @@ BOUNDS = {  # the shares of the peak a kernel or link can plausibly reach
 SCALARS = ("grouped_gemm", "attention", "memory", "nvlink", "network", "overlap")
 STEP = 0.01
 SWEEPS = 4
-
-
-def published_step(run: Run) -> float | None:
-    """The step the source reports, or the one its TFLOP/s imply (in its convention)."""
-    if run.published.step_s is not None:
-        return run.published.step_s
-    if run.published.tflops_per_gpu is not None:
-        flops = source_flops_per_token(run) * run.tokens_per_step / run.gpus
-        return flops / (run.published.tflops_per_gpu * 1e12)
-    return None
 
 
 def fits_on(run: Run) -> bool:

@@ -135,3 +135,13 @@ def executed_flops(run: Run) -> ExecutedFlops:
     for kind, flops in extra.items():
         kinds[kind] += flops
     return ExecutedFlops(**kinds, recompute=sum(extra.values()))
+
+
+def published_step(run: Run) -> float | None:
+    """The step the source reports, or the one its TFLOP/s imply (in its convention)."""
+    if run.published.step_s is not None:
+        return run.published.step_s
+    if run.published.tflops_per_gpu is not None:
+        flops = source_flops_per_token(run) * run.tokens_per_step / run.gpus
+        return flops / (run.published.tflops_per_gpu * 1e12)
+    return None

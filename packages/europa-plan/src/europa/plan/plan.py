@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from europa.plan.flops import executed_flops, source_flops_per_token
+from europa.plan.flops import executed_flops, published_step, source_flops_per_token
 from europa.plan.memory import hbm_gib, plan_memory
 from europa.plan.record import FLOPS_CONVENTIONS, Run
 from europa.plan.step_time import predict_step
@@ -71,8 +71,7 @@ def time_plan(run: Run) -> dict[str, Any]:
     """The predicted step time and its terms, beside the published one: a step time, or
     where the source gives only TFLOP/s, its TFLOP/s against ours (in its convention)."""
     step = predict_step(run)
-    published = run.published
-    model_flops = source_flops_per_token(run) * run.tokens_per_step / run.gpus
+    published, published_s = run.published, published_step(run)
     out: dict[str, Any] = {
         "predicted_step_s": step.total,
         "predicted_tokens_per_s_per_gpu": run.tokens_per_step / run.gpus / step.total,
@@ -82,13 +81,11 @@ def time_plan(run: Run) -> dict[str, Any]:
     }
     if published.step_s is not None:
         out["published_step_s"] = published.step_s
-        out["ratio"] = step.total / published.step_s
     elif published.tflops_per_gpu is not None:
         out["published_tflops_per_gpu"] = published.tflops_per_gpu
-        out["predicted_tflops_per_gpu"] = model_flops / step.total / 1e12
-        out["ratio"] = published.tflops_per_gpu / out["predicted_tflops_per_gpu"]
-    else:
-        out["ratio"] = None
+        implied = published.tflops_per_gpu * published_s  # the step's TFLOP a GPU
+        out["predicted_tflops_per_gpu"] = implied / step.total
+    out["ratio"] = None if published_s is None else step.total / published_s
     return {"time": out}
 
 
