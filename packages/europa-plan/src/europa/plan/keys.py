@@ -213,7 +213,7 @@ RUN_OPTIONAL: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "dp_shard": (POSITIVE, None),
     "ep": (POSITIVE, 1),
     "etp": (POSITIVE, 1),
-    "recompute": (_recompute, "none"),
+    "recompute": (_recompute, Recompute()),
     "optimizer": (_one_of(OPTIMIZERS), "adam"),
     "state_dtype": (_one_of(STATE_DTYPES), "float32"),
     "routing": (_one_of(ROUTINGS), "balanced"),

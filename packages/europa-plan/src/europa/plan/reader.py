@@ -43,7 +43,6 @@ from europa.plan.record import (
     Layout,
     Model,
     Published,
-    Recompute,
     Run,
 )
 
@@ -203,7 +202,7 @@ def read_run(
         dp_shard=values.get("dp_shard", 0),
         ep=get("ep"),
         etp=get("etp"),
-        recompute=get("recompute") if isinstance(get("recompute"), Recompute) else Recompute(),
+        recompute=get("recompute"),
     )
     run = Run(
         id=values["id"],
