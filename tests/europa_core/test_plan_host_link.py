@@ -11,9 +11,10 @@ import pytest
 from europa.core.plan import load_profile, make_plan
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.core.plan.report import plan_json, plan_table
-from europa.core.plan.timing import step_time
+from europa.core.plan.timing import transfers
 from europa.core.plan.traffic import Traffic
 from europa.core.session import open_session
+from europa.plan.exposure import step_time
 
 OFFLOAD = ["offload.optimizer_state=true", "training.grad_accum_steps=3"]
 
@@ -99,17 +100,17 @@ def test_the_two_directions_hide_behind_compute_as_one_link():
     traffic = [
         Traffic("host_copies", link, 10**9, True) for link in (DEVICE_TO_HOST, HOST_TO_DEVICE)
     ]
-    rates = {(DEVICE_TO_HOST, None): 1e9, (HOST_TO_DEVICE, None): 4e9}  # 1 s and 0.25 s
+    rates = dict(device_to_host_gbps=1.0, host_to_device_gbps=4.0)  # 1 s and 0.25 s
+    exact = dict(device_to_host_efficiency=1.0, host_to_device_efficiency=1.0)
+    priced = transfers(traffic, _cuda(**rates, **exact), ("host_copies",))
 
     def exposed(compute_s):
         return step_time(
             model_flops=compute_s,
             hardware_flops=compute_s,
             peak_flops=1.0,
-            matmul_efficiency=1.0,
-            traffic=traffic,
-            bandwidth=rates,
-            overlapped_kinds=("host_copies",),
+            efficiency=1.0,
+            transfers=priced,
         ).exposed_s
 
     assert exposed(1.0) == pytest.approx(0.25)  # each alone would hide behind 1 s

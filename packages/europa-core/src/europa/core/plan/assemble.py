@@ -25,8 +25,9 @@ from europa.core.plan.memory import (
 from europa.core.plan.moments import peak
 from europa.core.plan.record import STAGING, Plan
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.timing import LAYOUT_OVERLAPPED, model_flops_per_token, step_time
+from europa.core.plan.timing import LAYOUT_OVERLAPPED, model_flops_per_token, transfers
 from europa.core.plan.traffic import step_traffic, strided_link
+from europa.plan.exposure import step_time
 from europa.spec.offload import HostOffload
 from europa.spec.plan_layout import Layout
 from europa.spec.plan_mapping import PlanMapping
@@ -194,7 +195,6 @@ def assemble(
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
     head = 2 * model_cfg.vocab_size * model_cfg.dim if scope is None or scope.head else 0
     recompute_flops = per_token // 3 - head if recompute else 0
-    bandwidth = {(t.link, t.collective): hardware.bandwidth(t.link, t.collective) for t in traffic}
     # "With overlap": what europa-overlap says it hides, or (not enabled) every
     # kind that can run beside compute, as the estimate of what it would give.
     overlappable = tuple(t.kind for t in traffic if t.overlappable)
@@ -202,13 +202,15 @@ def assemble(
     layout_overlapped = LAYOUT_OVERLAPPED
     if hardware.device == "cpu":  # gloo's collectives run on the cores that compute
         overlapped = layout_overlapped = ()
+
+    def priced(overlapped_kinds: tuple[str, ...]):
+        return transfers(traffic, hardware, overlapped_kinds)
+
     timing = dict(
         model_flops=per_token * tokens_per_rank,
         hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
         peak_flops=hardware.peak_flops(training.dtype),
-        matmul_efficiency=hardware.matmul_efficiency,
-        traffic=traffic,
-        bandwidth=bandwidth,
+        efficiency=hardware.matmul_efficiency,
         micro_batches=training.grad_accum_steps,
     )
     return Plan(
@@ -225,8 +227,10 @@ def assemble(
         host_terms=host_terms,
         host_capacity=host_capacity,
         traffic=traffic,
-        without_overlap=step_time(**timing, overlapped_kinds=layout_overlapped),
-        with_overlap=step_time(**timing, overlapped_kinds=overlapped),
+        without_overlap=step_time(
+            **timing, transfers=transfers(traffic, hardware, layout_overlapped)
+        ),
+        with_overlap=step_time(**timing, transfers=transfers(traffic, hardware, overlapped)),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},

@@ -37,8 +37,8 @@ from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_a
 from europa.core.plan.checkpoint_cost import write_seconds
 from europa.core.plan.memory import unique_state_bytes
 from europa.core.plan.record import PipelinePlan, PipelineRank
-from europa.core.plan.timing import StepTime
 from europa.core.plan.traffic import EXCHANGE_KIND, INTER, INTRA, Traffic
+from europa.plan.exposure import StepTime, Transfer, pipeline_step_time
 from europa.plan.schedules import rank_orders
 from europa.plan.simulate import Simulation, simulate
 from europa.spec.lanes import lanes_wanted
@@ -105,7 +105,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         if b in rank_of and rank_of[a] != rank_of[b]
     }
     link = INTER if INTER in crossings.values() else INTRA
-    seconds = hidden / hardware.bandwidth(link, "point_to_point")
+    one_send = Transfer(STAGE_KIND, link, hidden, hardware.bandwidth(link, "point_to_point"), False)
     share = _compute_shares(config, shapes, names, held_by)
 
     def played(overlap: bool, side_by_side: bool) -> Simulation:
@@ -120,7 +120,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         return simulate(
             orders,
             lambda stage: stage_s(stage, lambda step: step.step_s),
-            lambda a, b: seconds if (a, b) in crossings else 0.0,
+            lambda a, b: one_send.seconds if (a, b) in crossings else 0.0,
             exchange_s=(lambda stage: stage_s(stage, exposed_exchange_s)) if side_by_side else None,
         )
 
@@ -240,18 +240,21 @@ class _WholeRun:
         tokens = training.batch_size * training.seq_len * training.grad_accum_steps
         link = pipeline.link
         traffic = [*rank_plan.traffic]
+        sends = []
         if send:
             traffic.append(Traffic(STAGE_KIND, link, send, overlappable=False, direct=True))
-        rate = hardware.bandwidth(link, "point_to_point")
-        peak = hardware.peak_flops(training.dtype) * config.parallel.pp
+            rate = hardware.bandwidth(link, "point_to_point")
+            sends.append(Transfer(STAGE_KIND, link, send, rate, overlapped=False))
 
         def step_time(sim: Simulation, rank_step: StepTime) -> StepTime:
-            link_s = dict(rank_step.link_s)
-            if send:
-                link_s[STAGE_KIND, link] = send / rate
-            compute = max(sim.busy_s.values())
-            mfu = per_token * tokens / (sim.step_s * peak) if sim.step_s else 0.0
-            return StepTime(compute, link_s, sim.step_s - compute, sim.step_s, mfu)
+            return pipeline_step_time(
+                rank_step,
+                busy_s=max(sim.busy_s.values()),
+                step_s=sim.step_s,
+                extra=sends,
+                model_flops=per_token * tokens,
+                peak_flops=hardware.peak_flops(training.dtype) * config.parallel.pp,
+            )
 
         with_overlap, without_overlap = played
         checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)

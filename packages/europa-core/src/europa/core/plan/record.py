@@ -13,8 +13,8 @@ from europa.core.plan.hardware import HardwareProfile
 from europa.core.plan.memory import Activations, MemoryModel, RankState
 from europa.core.plan.moments import Moment, peak
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.timing import StepTime
 from europa.core.plan.traffic import Traffic, step_traffic
+from europa.plan.exposure import StepTime
 from europa.spec.units import human
 
 STAGING = "checkpoint_staging"  # the memory term of an async save's host buffers

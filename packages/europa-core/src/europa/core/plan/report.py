@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from europa.core.plan.record import PipelinePlan, Plan
-from europa.core.plan.timing import StepTime
+from europa.plan.exposure import StepTime
 from europa.spec.lanes import PAIRED_SCHEDULES
 from europa.spec.units import human
 

@@ -1,0 +1,96 @@
+"""A step from the transfers a trainer states: compute, each transfer's seconds at its
+link's rate, and what of them the step waits for.
+
+europa-core plans europa's own runs this way: its technique plugins state every transfer
+of a step (bytes, link, whether it can run beside compute and when), and this module
+prices them, so europa-core keeps no time arithmetic of its own.
+
+Compute is the step's hardware FLOPs over ``peak × efficiency``. A transfer the step
+does not overlap adds its seconds. Overlapped transfers add up per link (links named
+with one ``budget`` share it: a host link's two directions, timed one at a time at
+their own rates), and a link exposes what exceeds the compute beside it, what of the
+sums issued in the last micro-batch's backward exceeds that backward, and at least what
+only starts when it ends (its ``tail_bytes``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Transfer:
+    kind: str
+    link: str
+    bytes: float  # per step
+    rate: float  # bytes/s on ``link`` for this transfer's collective
+    overlapped: bool  # runs beside compute in this plan
+    last_backward: bool = False  # issued only during the last micro-batch's backward
+    tail_bytes: float = 0.0  # of ``bytes``, what starts only once that backward ends
+    budget: str = ""  # links sharing one budget of seconds; empty: its own link's
+
+    @property
+    def seconds(self) -> float:
+        return self.bytes / self.rate
+
+
+@dataclass(frozen=True)
+class StepTime:
+    compute_s: float
+    link_s: dict[tuple[str, str], float]  # per (kind, link)
+    exposed_s: float
+    step_s: float
+    mfu: float
+
+
+def step_time(
+    *,
+    model_flops: float,
+    hardware_flops: float,
+    peak_flops: float,
+    efficiency: float,
+    transfers: Iterable[Transfer],
+    micro_batches: int = 1,
+) -> StepTime:
+    """One rank's step: ``hardware_flops`` (recomputation included) at ``peak_flops ×
+    efficiency``, and ``transfers`` (see the module's note); MFU counts ``model_flops``."""
+    transfers = list(transfers)
+    compute = hardware_flops / (peak_flops * efficiency)
+    # The last micro-batch's backward, its recomputed forward included: all but the
+    # forward's third of the model FLOPs.
+    last_backward = compute * (1 - model_flops / 3 / hardware_flops) / micro_batches
+    per_budget: dict[str, list[float]] = {}  # [all of it, last-backward only, tail]
+    exposed = 0.0
+    for t in transfers:
+        if t.overlapped:
+            budget = per_budget.setdefault(t.budget or t.link, [0.0, 0.0, 0.0])
+            budget[0] += t.seconds
+            budget[1] += t.seconds if t.last_backward else 0.0
+            budget[2] += t.tail_bytes / t.rate
+        else:
+            exposed += t.seconds
+    beyond = [max(s - compute, last - last_backward, tail) for s, last, tail in per_budget.values()]
+    exposed += max([0.0, *beyond])
+    step = compute + exposed
+    seconds = {(t.kind, t.link): t.seconds for t in transfers}
+    return StepTime(compute, seconds, exposed, step, model_flops / (step * peak_flops))
+
+
+def pipeline_step_time(
+    rank_step: StepTime,
+    *,
+    busy_s: float,
+    step_s: float,
+    extra: Iterable[Transfer] = (),
+    model_flops: float,
+    peak_flops: float,
+) -> StepTime:
+    """A pipeline's step, played out by its schedule (``europa.plan.simulate``): the
+    busiest rank's ``busy_s`` is its compute, the rest of ``step_s`` what it waits for;
+    ``rank_step``'s transfers and the stages' ``extra`` ones (hidden states between
+    ranks) are listed. MFU counts ``model_flops`` against every pipeline rank's
+    ``peak_flops``."""
+    link_s = dict(rank_step.link_s) | {(t.kind, t.link): t.seconds for t in extra}
+    mfu = model_flops / (step_s * peak_flops) if step_s else 0.0
+    return StepTime(busy_s, link_s, step_s - busy_s, step_s, mfu)

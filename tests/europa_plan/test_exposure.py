@@ -1,0 +1,111 @@
+"""europa-plan's pricing of stated transfers (``europa.plan.exposure``), the step time
+europa-core's plans take: what a step waits for of the transfers it states."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from europa.plan.exposure import StepTime, Transfer, pipeline_step_time, step_time
+
+LINKS = ("intra_node", "inter_node", "device_to_host", "host_to_device")
+
+
+@st.composite
+def transfers(draw, overlapped=st.booleans()):
+    n = draw(st.integers(0, 6))
+    out = []
+    for i in range(n):
+        size = draw(st.floats(0, 1e10))
+        out.append(
+            Transfer(
+                kind=f"kind{i}",
+                link=draw(st.sampled_from(LINKS)),
+                bytes=size,
+                rate=draw(st.floats(1e8, 1e11)),
+                overlapped=draw(overlapped),
+                last_backward=draw(st.booleans()),
+                tail_bytes=draw(st.floats(0, 1)) * size,
+                budget=draw(st.sampled_from(("", "host"))),
+            )
+        )
+    return out
+
+
+def _step(items, compute_s=1.0, recompute=0.0, micro_batches=1) -> StepTime:
+    return step_time(
+        model_flops=compute_s,
+        hardware_flops=compute_s * (1 + recompute),
+        peak_flops=1.0,
+        efficiency=1.0,
+        transfers=items,
+        micro_batches=micro_batches,
+    )
+
+
+@given(transfers(), st.floats(0.01, 100), st.floats(0, 1 / 3), st.integers(1, 8))
+def test_a_step_waits_between_none_and_all_of_its_transfers(items, compute, redo, micro):
+    step = _step(items, compute, redo, micro)
+    assert step.compute_s == pytest.approx(compute * (1 + redo))
+    assert 0 <= step.exposed_s <= sum(t.seconds for t in items) * (1 + 1e-9) + 1e-12
+    assert step.step_s == pytest.approx(step.compute_s + step.exposed_s)
+
+
+@given(transfers(overlapped=st.just(False)))
+def test_transfers_not_overlapped_add_their_seconds(items):
+    assert _step(items).exposed_s == pytest.approx(sum(t.seconds for t in items))
+
+
+@given(st.lists(st.floats(0, 1), max_size=4), st.sampled_from(LINKS))
+def test_overlapped_transfers_within_the_compute_beside_them_cost_nothing(shares, link):
+    """Transfers on one link adding up to no more than the compute hide entirely."""
+    total = sum(shares) or 1.0
+    items = [
+        Transfer(f"k{i}", link, s / total * 0.99e9, 1e9, overlapped=True)
+        for i, s in enumerate(shares)
+    ]
+    assert _step(items, compute_s=1.0).exposed_s == 0.0
+
+
+@given(transfers(), st.data())
+def test_more_bytes_never_make_a_step_shorter(items, data):
+    if not items:
+        return
+    i = data.draw(st.integers(0, len(items) - 1))
+    grown = list(items)
+    t = grown[i]
+    grown[i] = Transfer(t.kind, t.link, t.bytes * 2, t.rate, t.overlapped, t.last_backward,
+                        t.tail_bytes, t.budget)  # fmt: skip
+    assert _step(grown).step_s >= _step(items).step_s * (1 - 1e-12)
+
+
+def test_what_starts_after_the_last_backward_is_exposed_whatever_the_compute():
+    tail = Transfer("sums", "inter_node", 2e9, 1e9, True, last_backward=True, tail_bytes=1e9)
+    assert _step([tail], compute_s=100.0).exposed_s == pytest.approx(1.0)
+
+
+def test_sums_of_the_last_backward_hide_behind_that_backward_only():
+    """Four micro-batches: the last one's backward is two thirds of a quarter of 12 s."""
+    sums = Transfer("sums", "inter_node", 3e9, 1e9, True, last_backward=True)
+    assert _step([sums], compute_s=12.0, micro_batches=4).exposed_s == pytest.approx(1.0)
+    whole = Transfer("sums", "inter_node", 3e9, 1e9, True)
+    assert _step([whole], compute_s=12.0, micro_batches=4).exposed_s == 0.0
+
+
+def test_links_sharing_a_budget_add_up_and_others_do_not():
+    out = Transfer("copies", "device_to_host", 1e9, 1e9, True, budget="host")
+    back = Transfer("copies", "host_to_device", 1e9, 4e9, True, budget="host")
+    assert _step([out, back], compute_s=1.0).exposed_s == pytest.approx(0.25)
+    alone = [out, Transfer("copies", "host_to_device", 1e9, 4e9, True)]
+    assert _step(alone, compute_s=1.0).exposed_s == 0.0
+
+
+def test_a_pipeline_step_is_its_busiest_rank_and_what_it_waits_for():
+    rank = _step([Transfer("gather", "inter_node", 1e9, 1e9, True)], compute_s=2.0)
+    send = Transfer("stage_send", "inter_node", 5e8, 1e9, False)
+    step = pipeline_step_time(rank, busy_s=2.0, step_s=3.0, extra=[send], model_flops=4.0,
+                              peak_flops=2.0)  # fmt: skip
+    assert (step.compute_s, step.exposed_s, step.step_s) == (2.0, 1.0, 3.0)
+    assert step.mfu == pytest.approx(4.0 / (3.0 * 2.0))
+    assert step.link_s == {("gather", "inter_node"): 1.0, ("stage_send", "inter_node"): 0.5}
