@@ -14,7 +14,7 @@ from europa.core.plan.report import plan_json, plan_table
 from europa.core.plan.timing import transfers
 from europa.core.plan.traffic import Traffic
 from europa.core.session import open_session
-from europa.plan.exposure import step_time
+from europa.plan.exposure import Compute, step_time
 
 OFFLOAD = ["offload.optimizer_state=true", "training.grad_accum_steps=3"]
 
@@ -105,13 +105,8 @@ def test_the_two_directions_hide_behind_compute_as_one_link():
     priced = transfers(traffic, _cuda(**rates, **exact), ("host_copies",))
 
     def exposed(compute_s):
-        return step_time(
-            model_flops=compute_s,
-            hardware_flops=compute_s,
-            peak_flops=1.0,
-            efficiency=1.0,
-            transfers=priced,
-        ).exposed_s
+        compute = Compute(compute_s, compute_s * 2 / 3, priced_by="a test's")
+        return step_time(compute, priced, model_flops=compute_s, peak_flops=1.0).exposed_s
 
     assert exposed(1.0) == pytest.approx(0.25)  # each alone would hide behind 1 s
     assert exposed(1.25) == pytest.approx(0.0)

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from europa.plan.exposure import StepTime, Transfer, pipeline_step_time, step_time
+from europa.plan.compute_time import ComputeTerms
+from europa.plan.exposure import (
+    StepTime,
+    Transfer,
+    flat_compute,
+    kernel_compute,
+    pipeline_step_time,
+    step_time,
+)
 
 LINKS = ("intra_node", "inter_node", "device_to_host", "host_to_device")
 
@@ -34,14 +42,15 @@ def transfers(draw, overlapped=st.booleans()):
 
 
 def _step(items, compute_s=1.0, recompute=0.0, micro_batches=1) -> StepTime:
-    return step_time(
+    compute = flat_compute(
         model_flops=compute_s,
         hardware_flops=compute_s * (1 + recompute),
         peak_flops=1.0,
         efficiency=1.0,
-        transfers=items,
         micro_batches=micro_batches,
+        priced_by="a test's rate",
     )
+    return step_time(compute, items, model_flops=compute_s, peak_flops=1.0)
 
 
 @given(transfers(), st.floats(0.01, 100), st.floats(0, 1 / 3), st.integers(1, 8))
@@ -109,3 +118,21 @@ def test_a_pipeline_step_is_its_busiest_rank_and_what_it_waits_for():
     assert (step.compute_s, step.exposed_s, step.step_s) == (2.0, 1.0, 3.0)
     assert step.mfu == pytest.approx(4.0 / (3.0 * 2.0))
     assert step.link_s == {("gather", "inter_node"): 1.0, ("stage_send", "inter_node"): 0.5}
+
+
+@given(st.lists(st.floats(0, 10), min_size=4, max_size=4), st.floats(0, 1), st.integers(1, 8))
+def test_kernel_priced_compute_hides_the_last_backwards_sums_as_flat_priced_does(
+    terms, redo, micro
+):
+    """The same seconds priced kernel by kernel or at one rate leave the same last
+    backward: all of the last micro-batch but the forward's third of what is not redone."""
+    dense, expert, attention, memory = terms
+    once = dense + expert + attention + memory
+    kernels = ComputeTerms(dense, expert, attention, memory, recompute=once / 3 * redo)
+    by_kernel = kernel_compute(kernels, micro, "kernels")
+    flat = flat_compute(model_flops=once * micro, hardware_flops=kernels.total * micro,
+                        peak_flops=1.0, efficiency=1.0, micro_batches=micro,
+                        priced_by="flat")  # fmt: skip
+    assert by_kernel.seconds == pytest.approx(flat.seconds)
+    if once:
+        assert by_kernel.last_backward_s == pytest.approx(flat.last_backward_s)

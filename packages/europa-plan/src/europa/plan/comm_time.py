@@ -115,6 +115,7 @@ class DataParallelTime:
 
 def dp_seconds(run: Run, compute: list[ComputeTerms] | None = None) -> DataParallelTime:
     lay, gpu, eff = run.layout, run.gpu, efficiencies(run)
+    lay.modelled_data_parallel()
     compute = compute or compute_by_rank(run)
     group = groups(run)
     grad_bytes = 4 if run.state_dtype == "float32" else BF16

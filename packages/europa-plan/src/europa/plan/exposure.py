@@ -5,7 +5,10 @@ europa-core plans europa's own runs this way: its technique plugins state every 
 of a step (bytes, link, whether it can run beside compute and when), and this module
 prices them, so europa-core keeps no time arithmetic of its own.
 
-Compute is the step's hardware FLOPs over ``peak × efficiency``. A transfer the step
+Compute comes one of two ways (``Compute``): from europa-plan's kernel model, fitted on
+published runs (``kernel_compute``, for a GPU europa-plan knows), or as a step's hardware
+FLOPs over a measured or assumed ``peak × efficiency`` (``flat_compute``: a CPU's measured
+rates, a profile of the user's own). A transfer the step
 does not overlap adds its seconds. Overlapped transfers add up per link (links named
 with one ``budget`` share it: a host link's two directions, timed one at a time at
 their own rates), and a link exposes what exceeds the compute beside it, what of the
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+from europa.plan.compute_time import ComputeTerms
 
 
 @dataclass(frozen=True)
@@ -36,30 +41,50 @@ class Transfer:
 
 
 @dataclass(frozen=True)
+class Compute:
+    """A step's compute on one rank, recomputation included, and how it was priced."""
+
+    seconds: float
+    last_backward_s: float  # of it, the last micro-batch's backward and recomputed forward
+    priced_by: str
+
+
+def flat_compute(
+    *, model_flops: float, hardware_flops: float, peak_flops: float, efficiency: float,
+    micro_batches: int, priced_by: str,
+) -> Compute:  # fmt: skip
+    """``hardware_flops`` (``model_flops`` and the forward recomputed) at one rate; the
+    last micro-batch's backward is all but the forward's third of the model FLOPs."""
+    seconds = hardware_flops / (peak_flops * efficiency)
+    forward = model_flops / 3 / hardware_flops if hardware_flops else 0.0
+    last_backward = seconds * (1 - forward) / micro_batches
+    return Compute(seconds, last_backward, priced_by)
+
+
+def kernel_compute(terms: ComputeTerms, micro_batches: int, priced_by: str) -> Compute:
+    """One micro-batch's ``terms`` (``europa.plan.compute_time``) ``micro_batches`` times;
+    the last one's backward is all but its forward's third of the work not recomputed."""
+    forward = (terms.total - terms.recompute) / 3
+    return Compute(terms.total * micro_batches, terms.total - forward, priced_by)
+
+
+@dataclass(frozen=True)
 class StepTime:
     compute_s: float
     link_s: dict[tuple[str, str], float]  # per (kind, link)
     exposed_s: float
     step_s: float
     mfu: float
+    compute_priced_by: str = ""
 
 
 def step_time(
-    *,
-    model_flops: float,
-    hardware_flops: float,
-    peak_flops: float,
-    efficiency: float,
-    transfers: Iterable[Transfer],
-    micro_batches: int = 1,
+    compute: Compute, transfers: Iterable[Transfer], *, model_flops: float, peak_flops: float
 ) -> StepTime:
-    """One rank's step: ``hardware_flops`` (recomputation included) at ``peak_flops ×
-    efficiency``, and ``transfers`` (see the module's note); MFU counts ``model_flops``."""
+    """One rank's step: its ``compute`` and ``transfers`` (see the module's note); MFU
+    counts ``model_flops`` against ``peak_flops``."""
     transfers = list(transfers)
-    compute = hardware_flops / (peak_flops * efficiency)
-    # The last micro-batch's backward, its recomputed forward included: all but the
-    # forward's third of the model FLOPs.
-    last_backward = compute * (1 - model_flops / 3 / hardware_flops) / micro_batches
+    last_backward = compute.last_backward_s
     per_budget: dict[str, list[float]] = {}  # [all of it, last-backward only, tail]
     exposed = 0.0
     for t in transfers:
@@ -70,11 +95,15 @@ def step_time(
             budget[2] += t.tail_bytes / t.rate
         else:
             exposed += t.seconds
-    beyond = [max(s - compute, last - last_backward, tail) for s, last, tail in per_budget.values()]
+    beyond = [
+        max(s - compute.seconds, last - last_backward, tail)
+        for s, last, tail in per_budget.values()
+    ]
     exposed += max([0.0, *beyond])
-    step = compute + exposed
+    step = compute.seconds + exposed
     seconds = {(t.kind, t.link): t.seconds for t in transfers}
-    return StepTime(compute, seconds, exposed, step, model_flops / (step * peak_flops))
+    mfu = model_flops / (step * peak_flops)
+    return StepTime(compute.seconds, seconds, exposed, step, mfu, compute.priced_by)
 
 
 def pipeline_step_time(
@@ -93,4 +122,4 @@ def pipeline_step_time(
     ``peak_flops``."""
     link_s = dict(rank_step.link_s) | {(t.kind, t.link): t.seconds for t in extra}
     mfu = model_flops / (step_s * peak_flops) if step_s else 0.0
-    return StepTime(busy_s, link_s, step_s - busy_s, step_s, mfu)
+    return StepTime(busy_s, link_s, step_s - busy_s, step_s, mfu, rank_step.compute_priced_by)

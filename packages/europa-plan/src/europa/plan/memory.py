@@ -177,7 +177,7 @@ def _rank_activations(run: Run, stage: RankStage) -> tuple[float, float]:
 
 def _state_bytes(run: Run, params: _Params) -> tuple[float, float, float]:
     """Weights, gradients and optimizer state: bytes on the rank."""
-    lay, kind = run.layout, run.layout.dp_kind
+    lay, kind = run.layout, run.layout.modelled_data_parallel()
     dense_dp = lay.dp_shard * lay.cp if kind == "hsdp" else lay.dp * lay.cp
     expert_dp = lay.expert_dp
     if kind == "hsdp":

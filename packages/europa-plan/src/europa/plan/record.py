@@ -26,6 +26,10 @@ SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev", "dualpipe")
 # state and fp32 master weights sharded); fsdp: ZeRO-3 (everything sharded); hsdp: fsdp
 # within groups of ``dp_shard``, replicated across them.
 DP_KINDS = ("ddp", "zero1", "fsdp", "hsdp")
+# europa-flexshard's whole-matrix ownership: a europa run whose plugins state their own
+# memory and transfers, which europa-plan prices (``europa.plan.exposure``); europa-plan
+# keeps no model of it, so a runs file cannot name it and its memory is not asked for.
+FLEXSHARD = "flexshard"
 OPTIMIZERS = ("adam", "muon")
 # float32: bf16 weights with a fp32 master copy, fp32 gradients and moments (Megatron,
 # torchtitan); bfloat16: the bf16 weights trained directly, bf16 gradients and moments.
@@ -177,6 +181,16 @@ class Layout:
     def expert_dp(self) -> int:
         """Replicas of each expert shard within a stage (Megatron's expert data parallel)."""
         return self.tp * self.cp * self.dp // (self.ep * self.etp)
+
+    def modelled_data_parallel(self) -> str:
+        """``dp_kind``, which europa-plan's memory and data-parallel traffic model; a
+        FlexShard run's state and transfers are stated by its trainer instead."""
+        if self.dp_kind == FLEXSHARD:
+            raise ValueError(
+                "dp_kind = 'flexshard': europa-plan keeps no model of its state or "
+                "data-parallel traffic; europa-core's plugins state them"
+            )
+        return self.dp_kind
 
     def layers_per_stage(self, n_layers: int) -> int:
         """Layers the fullest pipeline rank holds (the others hold as many or one fewer)."""

@@ -25,9 +25,14 @@ from europa.core.plan.memory import (
 from europa.core.plan.moments import peak
 from europa.core.plan.record import STAGING, Plan
 from europa.core.plan.shapes import ModelShapes
-from europa.core.plan.timing import LAYOUT_OVERLAPPED, model_flops_per_token, transfers
+from europa.core.plan.timing import (
+    LAYOUT_OVERLAPPED,
+    model_flops_per_token,
+    rank_compute,
+    transfers,
+)
 from europa.core.plan.traffic import step_traffic, strided_link
-from europa.plan.exposure import step_time
+from europa.plan.exposure import StepTime, step_time
 from europa.spec.offload import HostOffload
 from europa.spec.plan_layout import Layout
 from europa.spec.plan_mapping import PlanMapping
@@ -86,6 +91,10 @@ class StageScope:
     # (None: one micro-batch's, as without stages).
     held_device: int | None = None
     held_host: int | None = None
+
+    @property
+    def layer_indices(self) -> tuple[int, ...]:
+        return tuple(sorted(int(b.split(".")[1]) for b in self.blocks if b.startswith("layers.")))
 
 
 def stage_activations(config, hardware, plan: PlanMapping, names) -> dict[str, Activations]:
@@ -203,16 +212,24 @@ def assemble(
     if hardware.device == "cpu":  # gloo's collectives run on the cores that compute
         overlapped = layout_overlapped = ()
 
-    def priced(overlapped_kinds: tuple[str, ...]):
-        return transfers(traffic, hardware, overlapped_kinds)
-
-    timing = dict(
+    compute = rank_compute(
+        config,
+        hardware,
+        world_size,
         model_flops=per_token * tokens_per_rank,
         hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
-        peak_flops=hardware.peak_flops(training.dtype),
-        efficiency=hardware.matmul_efficiency,
-        micro_batches=training.grad_accum_steps,
+        layers=None if scope is None else scope.layer_indices,
+        head=scope is None or scope.head,
     )
+
+    def priced(overlapped_kinds: tuple[str, ...]) -> StepTime:
+        return step_time(
+            compute,
+            transfers(traffic, hardware, overlapped_kinds),
+            model_flops=per_token * tokens_per_rank,
+            peak_flops=hardware.peak_flops(training.dtype),
+        )
+
     return Plan(
         config=config,
         hardware=hardware,
@@ -227,10 +244,8 @@ def assemble(
         host_terms=host_terms,
         host_capacity=host_capacity,
         traffic=traffic,
-        without_overlap=step_time(
-            **timing, transfers=transfers(traffic, hardware, layout_overlapped)
-        ),
-        with_overlap=step_time(**timing, transfers=transfers(traffic, hardware, overlapped)),
+        without_overlap=priced(layout_overlapped),
+        with_overlap=priced(overlapped),
         overlap_enabled="overlapped_kinds" in plan,
         model_flops_per_token=per_token,
         activations_by_mode={mode: a.device for mode, a in by_mode.items()},

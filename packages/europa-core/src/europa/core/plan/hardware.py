@@ -10,6 +10,12 @@ copied out). Each takes its own ``*_gbps`` and ``*_efficiency`` where the profil
 them, else ``host_device_gbps`` and ``host_device_efficiency`` (else ``link_efficiency``),
 so a profile with one figure for both ways plans as it always did.
 
+``fitted_gpu`` names a GPU of europa-plan's (``europa.plan.builtins``): its links within
+and across nodes are then europa-plan's figures at its generation's fitted efficiencies,
+and bfloat16 compute is europa-plan's kernel model fitted on published runs
+(``europa.core.plan.timing``), so such a profile states neither. The shipped GPU profiles
+name theirs; a measured profile names none (its rates are measured).
+
 ``failures_per_gpu_hour`` and ``restart_s`` are the machine's reliability and how long a
 restart takes; each has a default (the Llama 3 paper's failure rate; two minutes, an
 assumption) and goes into the plan's goodput (``europa.core.plan.goodput``).
@@ -73,6 +79,7 @@ class HardwareProfile:
     # Seconds from a failure to the ranks (of the job, or of one replica group) running
     # again, before any checkpoint read or heal; by default an assumption, two minutes
     restart_s: float = RESTART_S
+    fitted_gpu: str | None = None
 
     def bandwidth(self, link: str, collective: str | None = None) -> float:
         """Bytes/s per rank one way on ``link`` ("intra_node", "inter_node", "host_device",
@@ -143,6 +150,8 @@ def profile_from_table(table: dict, source: str) -> HardwareProfile:
             f"hardware {source!r}: unknown key {unknown[0]!r}; expected keys among "
             f"{', '.join(fields)}"
         )
+    if "fitted_gpu" in table:
+        table = _fitted_links(table, source)
     required = [n for n, f in fields.items() if f.default is dataclasses.MISSING]
     missing = [n for n in required if n not in table]
     if missing:
@@ -152,7 +161,47 @@ def profile_from_table(table: dict, source: str) -> HardwareProfile:
     return HardwareProfile(**table)
 
 
+# What a profile naming ``fitted_gpu`` takes from europa-plan, and does not state itself.
+FITTED_LINK_KEYS = (
+    "intra_node_gbps",
+    "inter_node_gbps",
+    "intra_node_efficiency",
+    "inter_node_efficiency",
+    "intra_node_collectives",
+    "inter_node_collectives",
+)
+
+
+def _fitted_links(table: dict, source: str) -> dict:
+    """``table`` with its GPU links filled in from europa-plan's ``fitted_gpu``."""
+    from europa.plan import builtins
+
+    name = table["fitted_gpu"]
+    gpus = builtins().gpus
+    if not isinstance(name, str) or name not in gpus:
+        raise ConfigError(
+            f"hardware {source!r}: fitted_gpu = {name!r}; expected one of europa-plan's "
+            f"GPUs: {', '.join(gpus)}"
+        )
+    stated = [k for k in FITTED_LINK_KEYS if k in table]
+    if stated:
+        raise ConfigError(
+            f"hardware {source!r}: {stated[0]} = {table[stated[0]]!r}; expected none with "
+            f"fitted_gpu = {name!r}, whose links are europa-plan's fitted figures"
+        )
+    gpu = gpus[name]
+    eff = gpu.efficiencies
+    return table | {
+        "intra_node_gbps": gpu.nvlink_gbps,
+        "inter_node_gbps": gpu.network_gbps,
+        "intra_node_efficiency": eff.nvlink,
+        "inter_node_efficiency": eff.network,
+    }
+
+
 def _check_value(source: str, key: str, value) -> None:
+    if key == "fitted_gpu":
+        return  # checked against europa-plan's GPUs (``_fitted_links``)
     if key in ("name", "device"):
         expected = ("cuda", "cpu") if key == "device" else None
         if not isinstance(value, str) or (expected and value not in expected):

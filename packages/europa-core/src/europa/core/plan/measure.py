@@ -343,7 +343,7 @@ def measure(
         "host_to_device_efficiency": 1.0,
         "device_to_host_efficiency": 1.0,
     }
-    measured = dataclasses.replace(base, **profile)
+    measured = dataclasses.replace(base, fitted_gpu=None, **profile)  # its rates measured
     return _agreed(measured), found
 
 

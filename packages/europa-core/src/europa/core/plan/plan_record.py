@@ -13,7 +13,7 @@ from __future__ import annotations
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ConfigError
 from europa.plan import builtins
-from europa.plan.record import Layout, Model, Recompute, Run
+from europa.plan.record import FLEXSHARD, Layout, Model, Recompute, Run
 
 SCHEDULES = {"1f1b": "1f1b", "interleaved-1f1b": "interleaved", "zbv": "zbv",
              "dualpipev": "dualpipev"}  # fmt: skip
@@ -44,7 +44,8 @@ def model_record(config: EuropaConfig) -> Model:
 
 
 def run_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
-    """``config`` on ``world_size`` GPUs of europa-plan's built-in ``hardware``."""
+    """``config`` on ``world_size`` GPUs of europa-plan's built-in ``hardware``, for
+    europa-plan to plan whole: memory, traffic and time by its own model."""
     known = builtins()
     if hardware not in known.gpus:
         raise ConfigError(
@@ -61,24 +62,36 @@ def run_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
         raise ConfigError(
             f"training.dtype = {config.training.dtype!r}: europa-plan prices bfloat16 only"
         )
+    return _run(config, hardware, world_size)
+
+
+def compute_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
+    """``config`` (bfloat16, on europa-plan's ``hardware``) for europa-plan to price its
+    compute only: its plugins state their own memory and transfers (``europa_plan``), and
+    a FlexShard run's data-parallel kind says so (europa-plan keeps no model of it)."""
+    return _run(config, hardware, world_size)
+
+
+def _run(config: EuropaConfig, hardware: str, world_size: int) -> Run:
     parallel, training = config.parallel, config.training
     dp = world_size // parallel.pp
     per_rank = parallel.pp_stages_per_rank or (1 if parallel.pp_schedule == "1f1b" else 2)
     checkpointing = config.extensions.get("activation_checkpointing")
     full = checkpointing is not None and checkpointing.mode == "full"
     replicas = parallel.dp_replicate
+    hsdp = replicas > 1 and "flexshard" not in config.plugins.enabled
     layout = Layout(
         pp=parallel.pp,
         vp=per_rank if parallel.pp > 1 else 1,
         schedule=SCHEDULES[parallel.pp_schedule] if parallel.pp > 1 else "1f1b",
         dp=dp,
-        dp_kind="hsdp" if replicas > 1 else "fsdp",
-        dp_shard=dp // replicas if replicas > 1 else 0,
+        dp_kind=_dp_kind(config),
+        dp_shard=dp // replicas if hsdp else 0,
         ep=parallel.ep,
         recompute=Recompute(kind="full") if full else Recompute(),
     )
     dispatch = parallel.ep_dispatch
-    gpu = known.gpus[hardware]
+    gpu = builtins().gpus[hardware]
     two_level = dispatch == "two_level" or (
         dispatch == "auto" and parallel.ep > (parallel.ranks_per_node or gpu.gpus_per_node)
     )
@@ -95,3 +108,9 @@ def run_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
         optimizer="muon" if config.optimizer.name == "muon" else "adam",
         ep_dispatcher="deepep" if two_level else "alltoall",
     )
+
+
+def _dp_kind(config: EuropaConfig) -> str:
+    if "flexshard" in config.plugins.enabled:
+        return FLEXSHARD
+    return "hsdp" if config.parallel.dp_replicate > 1 else "fsdp"

@@ -75,6 +75,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
             "without_overlap": _step(plan.without_overlap, plan.tokens_per_step),
             "with_overlap": _step(plan.with_overlap, plan.tokens_per_step),
             "overlap_enabled": plan.overlap_enabled,
+            "compute_priced_by": plan.step.compute_priced_by,
         },
         "checkpoint": {
             "bytes": plan.checkpoint_bytes,
@@ -223,6 +224,7 @@ def plan_table(plan: Plan) -> str:
             f"{tokens / without.step_s:,.0f}",
             f"{tokens / with_.step_s:,.0f}",
         ),
+        f"  (compute: {with_.compute_priced_by})",
         "",
         *_pipeline_table(plan.pipeline),
     ]

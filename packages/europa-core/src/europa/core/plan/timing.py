@@ -1,11 +1,15 @@
-"""FLOPs per token, and a step's transfers handed to europa-plan to be priced.
+"""FLOPs per token, and a step's compute and transfers handed to europa-plan to be priced.
 
 Model FLOPs per token: ``6 ×`` the matrix-multiply parameters a token touches
 (the embedding is a lookup; of the routed experts, top-k of them), plus causal
 attention, ``6 × heads × (qk + v head dims) × seq_len / 2`` per layer. Hardware
 FLOPs add the forward again when blocks are recomputed.
 
-The time is europa-plan's (``europa.plan.exposure``): each kind of traffic becomes a
+The time is europa-plan's (``europa.plan.exposure``). Compute: on a GPU europa-plan knows
+(the profile's ``fitted_gpu``), bfloat16 training is its kernel model fitted on published
+runs, for the layers the rank holds; otherwise (a CPU, a profile of the user's own,
+float32) the hardware FLOPs at the profile's measured or assumed rate. Each kind of
+traffic becomes a
 transfer at its link's rate (the collective's own, where the profile has one), overlapped
 or not, and europa-plan says what of it the step waits for. Without europa-overlap, the
 layouts prefetch parameter gathers and overlap gradient reductions (FSDP2's own
@@ -20,11 +24,14 @@ not count on the two running at once.
 
 from __future__ import annotations
 
-from europa.core.config.schema import ModelConfig
+from europa.core.config.schema import EuropaConfig, ModelConfig
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE, HardwareProfile
+from europa.core.plan.plan_record import compute_record
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.traffic import HOST, Traffic
-from europa.plan.exposure import Transfer
+from europa.plan.compute_time import rank_compute as rank_compute_terms
+from europa.plan.exposure import Compute, Transfer, flat_compute, kernel_compute
+from europa.plan.stages import RankStage
 from europa.spec.plan_layout import LAST_BACKWARD
 
 LAYOUT_OVERLAPPED = (
@@ -58,6 +65,41 @@ def model_flops_per_token(
     if layers is not None:
         attention = attention * layers // m.n_layers
     return 6 * matmul_parameters_per_token(shapes, m) + attention
+
+
+def rank_compute(
+    config: EuropaConfig,
+    hardware: HardwareProfile,
+    world_size: int,
+    *,
+    model_flops: float,
+    hardware_flops: float,
+    layers: tuple[int, ...] | None = None,
+    head: bool = True,
+) -> Compute:
+    """One rank's compute for a step: europa-plan's kernel model, fitted on published
+    runs, where ``hardware`` names its GPU and the run trains in bfloat16; else the step's
+    FLOPs at the profile's one rate (a CPU's measured one, a profile of the user's own,
+    float32 training). ``layers`` (indices) and ``head``: a pipeline rank's share."""
+    training = config.training
+    micro = training.grad_accum_steps
+    if hardware.fitted_gpu and training.dtype == "bfloat16":
+        run = compute_record(config, hardware.fitted_gpu, world_size)
+        held = tuple(range(config.model.n_layers)) if layers is None else layers
+        stage = RankStage(0, held, embedding=layers is None or 0 in held, head=head)
+        eff = run.gpu.efficiencies
+        how = f"europa-plan's {eff.id} fit, kernel by kernel ({eff.fitted})"
+        return kernel_compute(rank_compute_terms(run, stage), micro, how)
+    why = "not fitted" if hardware.fitted_gpu else "the profile's"
+    return flat_compute(
+        model_flops=model_flops,
+        hardware_flops=hardware_flops,
+        peak_flops=hardware.peak_flops(training.dtype),
+        efficiency=hardware.matmul_efficiency,
+        micro_batches=micro,
+        priced_by=f"{training.dtype} at matmul_efficiency {hardware.matmul_efficiency:g} "
+        f"of the peak ({why})",
+    )
 
 
 def transfers(
