@@ -246,7 +246,7 @@ class _WholeRun:
             rate = hardware.bandwidth(link, "point_to_point")
             sends.append(Transfer(STAGE_KIND, link, send, rate, overlapped=False))
 
-        def step_time(sim: Simulation, rank_step: StepTime) -> StepTime:
+        def played_step(sim: Simulation, rank_step: StepTime) -> StepTime:
             return pipeline_step_time(
                 rank_step,
                 busy_s=max(sim.busy_s.values()),
@@ -265,8 +265,8 @@ class _WholeRun:
             world_size=self.world_size,
             shapes=shapes,
             traffic=traffic,
-            with_overlap=step_time(with_overlap, rank_plan.with_overlap),
-            without_overlap=step_time(without_overlap, rank_plan.without_overlap),
+            with_overlap=played_step(with_overlap, rank_plan.with_overlap),
+            without_overlap=played_step(without_overlap, rank_plan.without_overlap),
             model_flops_per_token=per_token,
             checkpoint_bytes=checkpoint,
             checkpoint_write_s=write_seconds(
