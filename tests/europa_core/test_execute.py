@@ -148,3 +148,19 @@ def test_a_fake_integer_read_is_refused_and_a_float_read_answered_and_listed():
 def _line_of(text: str) -> int:
     with open(__file__) as source:
         return next(i for i, line in enumerate(source, 1) if text in line and "==" in line)
+
+
+def test_nccls_rings_across_nodes_send_a_rails_share_across_as_planned(capsys):
+    # FlexShard's gathers over 16 GPUs of two 8-GPU nodes on NCCL: one ring a rail, so each
+    # rank sends 1/8 of its ring bytes on its own network link and the rest over NVLink,
+    # in the plan and in the program's counted bytes alike
+    code, out, _ = _run(capsys, "plan", "debug", "--hardware", "h100-sxm", "--nodes", "2",
+                        "-p", "flexshard", "--set", 'training.dtype="bfloat16"',
+                        "--execute", "9", "--json")  # fmt: skip
+    assert code == 0
+    (rank,) = json.loads(out)["execution"]
+    rows = {(t["kind"], t["link"]): t for t in rank["traffic"]}
+    for kind in ("parameter_gather", "gradient_reduce_scatter"):
+        inside, across = rows[kind, "intra_node"], rows[kind, "inter_node"]
+        assert inside["agrees"] and across["agrees"]
+        assert inside["executed"] == pytest.approx(7 * across["executed"], rel=1e-6)

@@ -43,6 +43,17 @@ class Group:
         return self.nodes > 1
 
 
+def ring_network_share(members_per_domain: int) -> float:
+    """Of what each rank of a ring collective spanning domains sends, the share its own
+    network link carries. NCCL runs one ring per rail: each of a domain's members of the
+    group carries one ring's crossing on its own network link, so a rank sends
+    1/members of its ring bytes across, the rest over NVLink to the next rank of its
+    domain (its total, ``(n − 1)/n`` of the tensor, is a ring's either way). With one
+    network link a domain (gloo's one ring, on CPU ranks), the rank at the crossing
+    sends all of them across: that is one member a domain."""
+    return 1 / max(1, members_per_domain)
+
+
 def _bandwidth(gpu: Gpu, eff: Efficiencies, crosses: bool) -> tuple[float, float]:
     if crosses:
         return gpu.network_gbps * 1e9 * eff.network, NETWORK_LATENCY_S

@@ -110,7 +110,7 @@ def execute(spec: RankSpec) -> dict[str, Any]:
         execution=spec.execution(),
     )
     ledger = MemoryLedger(device_type=device.type)
-    traffic = TrafficCount(rank=spec.rank, per_node=job.node_size)
+    traffic = TrafficCount(rank=spec.rank, per_node=job.node_size, rails=spec.backend == "nccl")
     mode = FakeDeviceMode(observers=[ledger, traffic])
     try:
         with mode:

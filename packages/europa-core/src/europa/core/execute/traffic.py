@@ -8,7 +8,10 @@ compared kind by kind:
 
 * a ring collective over a group of ``n`` ranks: an all-gather sends its input ``n - 1``
   times, a reduce-scatter ``(n - 1) / n`` of its input, an all-reduce twice that; on the
-  intra-node link if every rank of the group shares this rank's node, else inter-node;
+  intra-node link if every rank of the group shares this rank's node, else inter-node,
+  or with NCCL (``rails``: its ring a rail) split between the two as the planner splits it
+  (``europa.plan.links.ring_network_share`` of it across, by the group's ranks on this
+  rank's node);
 * an all-to-all and a point-to-point send: each destination's rows on the link to that
   destination's node (nothing for the rows a rank keeps);
 * copies between the device and the host (offload) are seen by the fake mode as ops
@@ -27,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from europa.core.plan.traffic import EXCHANGE_KIND
+from europa.plan.links import ring_network_share
 from europa.spec.tags import traffic_kind
 
 INTRA, INTER = "intra_node", "inter_node"
@@ -53,6 +57,7 @@ class TrafficCount:
 
     rank: int
     per_node: int
+    rails: bool = False  # NCCL: a ring a rail (see the note)
     counting: bool = False
     sent: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
@@ -110,8 +115,12 @@ class TrafficCount:
     def _link_to(self, peer: int) -> str:
         return INTRA if peer // self.per_node == self.rank // self.per_node else INTER
 
-    def _ring_link(self, ranks: list[int]) -> str:
-        return INTRA if all(self._link_to(r) == INTRA for r in ranks) else INTER
+    def _ring_links(self, ranks: list[int]) -> dict[str, float]:
+        members = sum(self._link_to(r) == INTRA for r in ranks)
+        if members == len(ranks):
+            return {INTRA: 1.0}
+        across = ring_network_share(members) if self.rails else 1.0
+        return {INTRA: 1.0 - across, INTER: across} if across < 1 else {INTER: 1.0}
 
     def _count(self, name: str, *args, **kwargs) -> None:
         bound = _bind(name, args, kwargs)
@@ -132,7 +141,6 @@ class TrafficCount:
         if name == "all_to_all_single":
             self._count_all_to_all(kind, ranks, tensor, bound.get("splits"))
             return
-        link = self._ring_link(ranks)
         share = {
             "all_gather_single": n - 1,
             "all_gather_into_tensor": n - 1,
@@ -141,7 +149,8 @@ class TrafficCount:
             "all_reduce": 2 * (n - 1) / n,
             "broadcast": 1 if self.rank == bound.get("peer") else 0,
         }[name]
-        self._add(kind, link, nbytes * share)
+        for link, part in self._ring_links(ranks).items():
+            self._add(kind, link, nbytes * share * part)
 
     def _count_all_to_all(self, kind, ranks, tensor, splits) -> None:
         rows = tensor.shape[0] if tensor.dim() else 0

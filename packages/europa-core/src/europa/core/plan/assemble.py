@@ -184,6 +184,7 @@ def assemble(
         host_optimizer_bytes=optimizer_on_host,
         kept_blocks=kept_gathered,
         root_kept=scope is None,  # a stage's root parts are gathered again for backward
+        rails=hardware.device == "cuda",  # NCCL's ring a rail, a network link a GPU
     )
     traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)

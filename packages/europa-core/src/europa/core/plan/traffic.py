@@ -14,6 +14,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
+from europa.plan.links import ring_network_share
 from europa.spec.plan_layout import ROOT_UNIT, STEP
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
@@ -25,6 +26,19 @@ def contiguous_link(size: int, gpus_per_node: int) -> str:
 
 def strided_link(size: int, stride: int, gpus_per_node: int) -> str:
     return INTRA if stride * (size - 1) < gpus_per_node else INTER
+
+
+def ring_links(size: int, stride: int, gpus_per_node: int, rails: bool) -> dict[str, float]:
+    """Of the bytes a rank of a ring collective sends, the share on each link: all on the
+    intra-node link within one node; across nodes, with a network link a GPU (``rails``:
+    NCCL's ring per rail), ``europa.plan.links.ring_network_share`` of them on the
+    inter-node link, else (gloo's one ring) all of them, as the rank at the crossing
+    sends them."""
+    if strided_link(size, stride, gpus_per_node) == INTRA:
+        return {INTRA: 1.0}
+    members = min(size, max(1, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    across = ring_network_share(members) if rails else 1.0
+    return {INTRA: 1.0 - across, INTER: across} if across < 1 else {INTER: 1.0}
 
 
 def ring_share(size: int) -> float:
@@ -102,6 +116,7 @@ def step_traffic(
     host_optimizer_bytes: int,
     kept_blocks: Collection[str] = (),
     root_kept: bool = True,
+    rails: bool = False,
     rank: int | None = None,
 ) -> list[Traffic]:
     """``kept_blocks``: the blocks that keep their gathered parameters from forward to
@@ -109,10 +124,12 @@ def step_traffic(
     ``root_kept``: the root (embedding, final norm, head) stays gathered from forward to
     backward, as it does around a whole model; a pipeline stage gathers each of them as a
     block of its own, again for backward.
+    ``rails``: a network link a GPU, each ring collective across nodes split over it and
+    NVLink (``ring_links``).
     ``rank``: the rank of the gather group whose bytes to count where they differ by rank
     (direct transfers); default: the one that sends most."""
     group = layout["gather_group_size"]
-    shard_link = contiguous_link(group, gpus_per_node)
+    shard_links = ring_links(group, 1, gpus_per_node, rails)
     # Blocks are gathered for forward and again for backward, unless kept between the
     # two; the root of a whole model stays gathered between the two.
     once = {*kept_blocks, *([ROOT_UNIT] if root_kept else [])}
@@ -125,7 +142,8 @@ def step_traffic(
         units = layout.get("gathered_unit_wire_elements") or layout["gathered_unit_elements"]
         passes = sum(n * (1 if unit in once else 2) for unit, n in units.items())
         by_link = {
-            shard_link: (passes * ring_share(group), sum(units.values()) * ring_share(group))
+            link: (passes * ring_share(group) * f, sum(units.values()) * ring_share(group) * f)
+            for link, f in shard_links.items()
         }
     stored = layout.get("replicated_elements", max(layout["stored_elements"], default=0))
     replica = layout.get("replica_group") or {
@@ -159,23 +177,34 @@ def step_traffic(
             for kind, i, nbytes in unit_passes
             for link, elements in by_link.items()
         ),
-        Traffic(
-            "gradient_replica_all_reduce",
-            strided_link(replicas, replica_stride, gpus_per_node),
-            int(replicated),
-            replica.get("overlappable", True),
-            replica.get("window", STEP),
-            int(replica.get("tail_elements", 0) * replica_share),
+        *(
+            Traffic(
+                "gradient_replica_all_reduce",
+                link,
+                int(replicated * f),
+                replica.get("overlappable", True),
+                replica.get("window", STEP),
+                int(replica.get("tail_elements", 0) * replica_share * f),
+            )
+            for link, f in ring_links(replicas, replica_stride, gpus_per_node, rails).items()
         ),
-        Traffic(
-            "expert_gradient_all_reduce",
-            strided_link(copies["group_size"], copies["stride"], gpus_per_node),
-            int(expert_copies),
-            copies.get("overlappable", True),
-            copies.get("window", STEP),
+        *(
+            Traffic(
+                "expert_gradient_all_reduce",
+                link,
+                int(expert_copies * f),
+                copies.get("overlappable", True),
+                copies.get("window", STEP),
+            )
+            for link, f in ring_links(
+                copies["group_size"], copies["stride"], gpus_per_node, rails
+            ).items()
         ),
         *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
-        Traffic("optimizer_step", shard_link, int(step_gather), False),
+        *(
+            Traffic("optimizer_step", link, int(step_gather * f), False)
+            for link, f in shard_links.items()
+        ),
         # Offloaded activations go out once and come back once a micro-batch; offloaded
         # optimizer state once each way a step. The same bytes each way, at each way's rate.
         *(
