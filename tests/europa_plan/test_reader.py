@@ -85,6 +85,10 @@ REFUSALS = {
         'run "small-run": unknown key tensor_parallel',
     ),
     "unknown model key": (_change("model", "kv_lora_rank", 512), "unknown key kv_lora_rank"),
+    "more layers than any model": (
+        _change("model", "n_layers", 2**40),
+        "n_layers = 1099511627776: expected an integer from 1 to 10,000",
+    ),
     "unknown gpu key": (_change("gpu", "tdp_w", 700), 'gpu "test-gpu": unknown key tdp_w'),
     "unknown published key": (
         _change("run", "published", {"tokens_per_day": 1.0}),

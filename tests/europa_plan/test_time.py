@@ -97,6 +97,12 @@ def test_the_simulated_bubble_is_the_schedules_closed_form_when_nothing_travels(
     assert bubble_share(run, transfer=0.05)[0] >= share
 
 
+def test_a_step_of_millions_of_micro_batches_takes_the_closed_form_without_playing_it():
+    layout = dataclasses.replace(RUNS[0].layout, pp=4, vp=1, schedule="1f1b", dp=1)
+    run = dataclasses.replace(RUNS[0], layout=layout, global_batch=2**40)
+    assert bubble_share(run) == (3, "closed form")
+
+
 def test_a_shape_the_schedule_refuses_takes_its_closed_form():
     layout = dataclasses.replace(RUNS[0].layout, pp=4, vp=2, schedule="dualpipev", dp=1)
     run = dataclasses.replace(RUNS[0], layout=layout, global_batch=6)  # DualPipeV needs 2·P

@@ -30,10 +30,12 @@ class BadValue(Exception):
     """A value that is not what its key expects (the reader adds where it is)."""
 
 
-def _int(minimum: int) -> Callable[[Any], int]:
+def _int(minimum: int, maximum: int | None = None) -> Callable[[Any], int]:
     def check(value: Any) -> int:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise BadValue("a positive integer" if minimum == 1 else f"an integer ≥ {minimum}")
+        if maximum is not None and value > maximum:
+            raise BadValue(f"an integer from {minimum} to {maximum:,}")
         return value
 
     return check
@@ -113,6 +115,8 @@ def _published(value: Any) -> Published:
 # --- the keys of each table: name -> check (required keys first) --------------------------
 
 POSITIVE, COUNT = _int(1), _int(0)
+# Layers are planned one by one (which pipeline rank holds each): far more than any model has
+LAYERS = _int(1, 10_000)
 GPU_REQUIRED = {
     "id": _name,
     "peak_tflops": _peaks,
@@ -157,7 +161,7 @@ GENERATION_OPTIONAL = {"fitted": _text}
 MODEL_REQUIRED = {
     "id": _name,
     "family": _one_of(FAMILIES),
-    "n_layers": POSITIVE,
+    "n_layers": LAYERS,
     "dim": POSITIVE,
     "n_heads": POSITIVE,
     "vocab_size": POSITIVE,

@@ -62,22 +62,22 @@ def _bandwidth(gpu: Gpu, eff: Efficiencies, crosses: bool) -> tuple[float, float
 
 def ring_seconds(kind: str, nbytes: float, group: Group, gpu: Gpu, eff: Efficiencies) -> float:
     """All-gather, reduce-scatter (``nbytes``: the whole, gathered tensor) or all-reduce
-    (twice the traffic), as NCCL runs them on a group spread over domains: each domain
-    receives the (nodes − 1)/nodes of the tensor held elsewhere through its members' own
-    network links, a 1/per_domain share each, while its members exchange the rest over
-    NVLink; the slower of the two sets the time."""
+    (twice the traffic), as NCCL runs them: a ring in which each rank sends ``(n − 1)/n``
+    of the tensor; on a group spread over domains, one ring a rail, each rank sending its
+    ``ring_network_share`` of that over its own network link and the rest over NVLink, at
+    once; the slower of the two sets the time."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     twice = 2 if kind == "all_reduce" else 1
-    nvlink, nvlink_latency = _bandwidth(gpu, eff, crosses=False)
+    sent = nbytes * (group.size - 1) / group.size
     local = group.per_domain
+    across = sent * ring_network_share(local) if group.crosses else 0.0
+    nvlink, nvlink_latency = _bandwidth(gpu, eff, crosses=False)
     seconds = 0.0
     if local > 1:
-        inside = nbytes * (local - 1) / local / group.nodes
-        seconds = nvlink_latency * (local - 1) + twice * inside / nvlink
+        seconds = nvlink_latency * (local - 1) + twice * (sent - across) / nvlink
     if group.crosses:
         network, network_latency = _bandwidth(gpu, eff, crosses=True)
-        across = nbytes * (group.nodes - 1) / group.nodes / local
         seconds = max(seconds, network_latency * (group.nodes - 1) + twice * across / network)
     return seconds
 

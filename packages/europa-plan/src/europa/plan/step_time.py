@@ -26,6 +26,10 @@ from europa.plan.record import Run
 from europa.plan.schedules import ORDER_OF, rank_orders
 from europa.plan.simulate import simulate
 
+# Beyond this many stage × micro-batch actions the schedule's order is not played out
+# (its closed form stands in, and the plan says so): a step of millions of micro-batches
+# would take that long to simulate.
+MAX_SIMULATED_ACTIONS = 100_000
 COMPUTE_KINDS = ("dense_gemm", "expert_gemm", "attention", "memory_bound", "recompute")
 
 
@@ -46,17 +50,19 @@ def bubble_share(run: Run, transfer: float = 0.0) -> tuple[float, str]:
     """The schedule's idle time, in mean rank times of one micro-batch, and how it was
     found: the schedule's own order played out (``europa.plan.simulate``: every stage of
     equal time, ``transfer`` the share of a rank's time a hidden state takes between
-    ranks), or, where the schedule refuses the shape, its closed form (1F1B's P − 1,
+    ranks), or, where the schedule refuses the shape or it has more than
+    ``MAX_SIMULATED_ACTIONS``, its closed form (1F1B's P − 1,
     interleaving's (P − 1)/V, a third of it with a split backward)."""
     lay = run.layout
     if lay.pp == 1:
         return 0.0, "no stages"
     schedule, micro = ORDER_OF[lay.schedule], run.micro_batches
     rounded = float(f"{transfer:.2g}")  # a fit's thousands of plans then share a few
-    try:
-        return _simulated_bubble(schedule, lay.pp, lay.vp, micro, rounded), "simulated"
-    except ValueError:
-        pass
+    if lay.pp * lay.vp * micro <= MAX_SIMULATED_ACTIONS:
+        try:
+            return _simulated_bubble(schedule, lay.pp, lay.vp, micro, rounded), "simulated"
+        except ValueError:
+            pass
     if lay.schedule == "1f1b":
         return lay.pp - 1, "closed form"
     if lay.schedule == "interleaved":
