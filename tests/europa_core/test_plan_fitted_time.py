@@ -18,6 +18,7 @@ from europa.plan import builtins
 from europa.plan.comm_time import dp_seconds
 from europa.plan.compute_time import compute_by_rank, rank_compute
 from europa.plan.memory import memory_by_rank
+from europa.plan.plan import plan_run
 from europa.plan.stages import RankStage
 
 BF16 = "training.dtype='bfloat16'"
@@ -129,3 +130,14 @@ def test_a_flexshard_run_is_priced_for_compute_only_never_as_another_layout():
     for whole_run in (memory_by_rank, dp_seconds):
         with pytest.raises(ValueError, match="dp_kind = 'flexshard': europa-plan keeps no model"):
             whole_run(run)
+
+
+def test_europa_core_and_europa_plan_give_fsdp2_the_same_step():
+    """Kimi-K2 with FSDP2 alone on 64 GH200s: the same compute, the same ring collectives
+    gathered for each forward and again for each backward, priced alike; what is left is
+    europa-plan's optimizer step, which europa-core's plans leave out, and how each
+    overlaps (within 1 %)."""
+    config, manager = open_session("kimi-k2", [], [])
+    plan = make_plan(config, manager, load_profile("gh200-jupiter"), 64)
+    theirs = plan_run(run_record(config, "gh200-jupiter", 64))["time"]["predicted_step_s"]
+    assert plan.step.step_s == pytest.approx(theirs, rel=0.01)

@@ -85,6 +85,10 @@ REFUSALS = {
         'run "small-run": unknown key tensor_parallel',
     ),
     "unknown model key": (_change("model", "kv_lora_rank", 512), "unknown key kv_lora_rank"),
+    "weights kept without zero-3": (
+        _change("run", "reshard_after_forward", False),
+        'reshard_after_forward = False: expected no value unless optimizer_sharding = "fsdp"',
+    ),
     "more layers than any model": (
         _change("model", "n_layers", 2**40),
         "n_layers = 1099511627776: expected an integer from 1 to 10,000",

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from europa.plan import load_runs
+from europa.plan.comm_time import dp_seconds
 from europa.plan.compute_time import compute_by_rank
 from europa.plan.kernels import Gemm, gemm_seconds, wave_efficiency
 from europa.plan.plan import plan_run
@@ -107,3 +108,15 @@ def test_a_shape_the_schedule_refuses_takes_its_closed_form():
     layout = dataclasses.replace(RUNS[0].layout, pp=4, vp=2, schedule="dualpipev", dp=1)
     run = dataclasses.replace(RUNS[0], layout=layout, global_batch=6)  # DualPipeV needs 2·P
     assert bubble_share(run) == (pytest.approx(3 / 6), "closed form")
+
+
+def test_zero3_gathers_the_weights_again_for_backward_unless_they_are_kept():
+    """torch's FSDP2 and Megatron-FSDP gather a micro-batch's weights for its forward and
+    again for its backward; Llama 3's FSDP keeps them whole for the step once gathered."""
+    run = next(r for r in RUNS if r.id == "automodel-kimi-k2-h100-256g-bf16")
+    assert run.layout.dp_kind == "fsdp" and run.reshard_after_forward
+    kept = dataclasses.replace(run, reshard_after_forward=False)
+    regathered, once = dp_seconds(run), dp_seconds(kept)
+    assert regathered.seconds > once.seconds and regathered.exposed >= once.exposed
+    ddp = dataclasses.replace(run, layout=dataclasses.replace(run.layout, dp_kind="zero1"))
+    assert dp_seconds(ddp) == dp_seconds(dataclasses.replace(ddp, reshard_after_forward=False))

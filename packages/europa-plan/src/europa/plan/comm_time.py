@@ -16,9 +16,12 @@ Per micro-batch, on one pipeline rank, forward and backward:
 
 Once a step (``dp_seconds``): the gradients' reduction over the data-parallel group (an
 all-reduce for ddp; a reduce-scatter and the updated weights' all-gather for zero1;
-fsdp gathers the weights once and reduce-scatters each micro-batch's gradients). The
-reduction hides behind the backward of the micro-batch it follows, the all-gather
-behind the first micro-batch's forward; what is longer than those is exposed.
+fsdp and hsdp, ZeRO-3 as torch's FSDP2 and Megatron-FSDP run it, gather the weights for
+each micro-batch's forward and again for its backward, and reduce-scatter its gradients;
+with ``reshard_after_forward = false`` the weights, once gathered, stay whole for the step
+and only the gradients are reduced each micro-batch, as Llama 3's FSDP did). A reduction
+and a backward's gather hide behind that backward, a forward's gather behind its forward
+(zero1's behind the first); what is longer is exposed.
 """
 
 from __future__ import annotations
@@ -138,9 +141,16 @@ def dp_seconds(run: Run, compute: list[ComputeTerms] | None = None) -> DataParal
             )
             gather = ring_seconds("all_gather", dense_part * BF16, group["dp"], gpu, eff)
             gather += ring_seconds("all_gather", expert_part * BF16, group["expert_dp"], gpu, eff)
-            times = run.micro_batches if lay.dp_kind in ("fsdp", "hsdp") else 1
-            total = times * reduce + gather
-            exposed = times * max(0.0, reduce - backward) + max(0.0, gather - forward)
+            m = run.micro_batches
+            if lay.dp_kind in ("fsdp", "hsdp") and run.reshard_after_forward:  # ZeRO-3
+                total = m * (2 * gather + reduce)
+                exposed = m * (max(0.0, gather - forward) + max(0.0, gather + reduce - backward))
+            elif lay.dp_kind in ("fsdp", "hsdp"):  # weights kept whole once gathered
+                total = gather + m * reduce
+                exposed = max(0.0, gather - forward) + m * max(0.0, reduce - backward)
+            else:
+                total = reduce + gather
+                exposed = max(0.0, reduce - backward) + max(0.0, gather - forward)
         if (exposed, total) > (worst.exposed, worst.seconds):
             worst = DataParallelTime(total, exposed)
     return worst

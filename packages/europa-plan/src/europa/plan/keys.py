@@ -223,6 +223,7 @@ RUN_OPTIONAL: dict[str, tuple[Callable[[Any], Any], Any]] = {
     "routing": (_one_of(ROUTINGS), "balanced"),
     "ep_dispatcher": (_one_of(EP_DISPATCHERS), "alltoall"),
     "ep_overlap": (_flag, False),
+    "reshard_after_forward": (_flag, True),
     "flops_convention": (_one_of(tuple(FLOPS_CONVENTIONS)), "megatron"),
     "published": (_published, None),
     "source": (_text, None),

@@ -185,7 +185,16 @@ def read_run(
     if gpu is None:
         raise where.error("gpu", values["gpu"], "a [[gpu]] id or built-in: " + ", ".join(gpus))
     moe_only = set() if model.moe else {"etp", "routing", "ep_dispatcher", "ep_overlap"}
-    assumed = [k for k in RUN_OPTIONAL if k not in values and k not in NOT_ASSUMED | moe_only]
+    zero3 = values.get("optimizer_sharding") in ("fsdp", "hsdp")
+    zero3_only = set() if zero3 else {"reshard_after_forward"}
+    if "reshard_after_forward" in values and not zero3:
+        raise where.error(
+            "reshard_after_forward",
+            values["reshard_after_forward"],
+            'no value unless optimizer_sharding = "fsdp" or "hsdp"',
+        )
+    unasked = NOT_ASSUMED | moe_only | zero3_only
+    assumed = [k for k in RUN_OPTIONAL if k not in values and k not in unasked]
     get = lambda key: values.get(key, RUN_OPTIONAL[key][1])  # noqa: E731
     tp, cp, pp, vp = get("tp"), get("cp"), get("pp"), get("vp")
     dp = values.get("dp") or max(1, values["gpus"] // (tp * cp * pp))
@@ -219,6 +228,7 @@ def read_run(
         routing=get("routing"),
         ep_dispatcher=get("ep_dispatcher"),
         ep_overlap=get("ep_overlap"),
+        reshard_after_forward=get("reshard_after_forward"),
         flops_convention=get("flops_convention"),
         published=values.get("published") or Published(),
         assumed=tuple(assumed),

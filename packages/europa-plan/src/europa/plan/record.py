@@ -234,6 +234,11 @@ class Run:
     routing: str = "balanced"
     ep_dispatcher: str = "alltoall"
     ep_overlap: bool = False  # the exchange runs beside another micro-batch's compute
+    # fsdp, hsdp: the weights gathered for a micro-batch's forward are freed after it and
+    # gathered again for its backward (torch's FSDP2 and Megatron-FSDP by default); false:
+    # once gathered they stay whole for the step (Llama 3's FSDP: optimizer state and
+    # gradients sharded, the weights not resharded)
+    reshard_after_forward: bool = True
     flops_convention: str = "megatron"
     published: Published = field(default_factory=Published)
     assumed: tuple[str, ...] = ()
