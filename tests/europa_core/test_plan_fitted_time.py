@@ -16,12 +16,13 @@ from europa.core.plan.plan_record import compute_record, run_record
 from europa.core.session import open_session
 from europa.plan import builtins
 from europa.plan.comm_time import dp_seconds
-from europa.plan.compute_time import compute_by_rank, rank_compute
+from europa.plan.compute_time import compute_by_rank, rank_compute, state_pass_seconds
 from europa.plan.memory import memory_by_rank
 from europa.plan.plan import plan_run
 from europa.plan.stages import RankStage
 
 BF16 = "training.dtype='bfloat16'"
+UNPRICED = "the optimizer step not priced"
 
 
 @pytest.mark.parametrize(
@@ -85,8 +86,16 @@ def test_a_shipped_gpu_profile_is_the_gpu_europa_plan_fitted(name):
 @pytest.mark.parametrize(
     ("hardware", "dtype", "words"),
     [
-        ("gh200-jupiter", "float32", "float32 at matmul_efficiency 0.55 of the peak (not fitted)"),
-        ("cpu", "float32", "float32 at matmul_efficiency 0.7 of the peak (the profile's)"),
+        (
+            "gh200-jupiter",
+            "float32",
+            "float32 at matmul_efficiency 0.55 of the peak (not fitted); " + UNPRICED,
+        ),
+        (
+            "cpu",
+            "float32",
+            "float32 at matmul_efficiency 0.7 of the peak (the profile's); " + UNPRICED,
+        ),
     ],
 )
 def test_compute_europa_plan_does_not_fit_is_priced_at_the_profiles_rate_and_says_so(
@@ -99,6 +108,7 @@ def test_compute_europa_plan_does_not_fit_is_priced_at_the_profiles_rate_and_say
     flops = plan.model_flops_per_token * plan.tokens_per_step / 2
     rate = profile.peak_flops(dtype) * profile.matmul_efficiency
     assert plan.step.compute_s == pytest.approx(flops / rate)
+    assert plan.step.optimizer_s == 0.0
 
 
 def _table(name: str) -> dict:
@@ -141,3 +151,13 @@ def test_europa_core_and_europa_plan_give_fsdp2_the_same_step():
     plan = make_plan(config, manager, load_profile("gh200-jupiter"), 64)
     theirs = plan_run(run_record(config, "gh200-jupiter", 64))["time"]["predicted_step_s"]
     assert plan.step.step_s == pytest.approx(theirs, rel=0.01)
+
+
+def test_the_optimizer_step_reads_and_writes_the_ranks_state_once_as_europa_plan_prices_it():
+    config, manager = open_session("debug", [BF16], [])
+    plan = make_plan(config, manager, load_profile("gh200-jupiter"), 8)
+    state = plan.state.totals()[plan.state.most_loaded()]
+    expected = state_pass_seconds(2 * state, builtins().gpus["gh200-jupiter"])
+    assert plan.step.optimizer_s == pytest.approx(expected) and expected > 0
+    step = plan.step
+    assert step.step_s == pytest.approx(step.compute_s + step.exposed_s + step.optimizer_s)

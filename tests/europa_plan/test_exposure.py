@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from europa.plan.compute_time import ComputeTerms
 from europa.plan.exposure import (
+    Compute,
     StepTime,
     Transfer,
     flat_compute,
@@ -136,3 +137,12 @@ def test_kernel_priced_compute_hides_the_last_backwards_sums_as_flat_priced_does
     assert by_kernel.seconds == pytest.approx(flat.seconds)
     if once:
         assert by_kernel.last_backward_s == pytest.approx(flat.last_backward_s)
+
+
+def test_the_optimizer_step_follows_the_compute_and_hides_no_transfer():
+    """A transfer longer than the compute is exposed by the difference, however long the
+    optimizer step after it: nothing runs beside the optimizer step."""
+    gather = Transfer("gather", "inter_node", 3e9, 1e9, True)
+    compute = Compute(2.0, 2.0 * 2 / 3, "a test's", optimizer_s=5.0)
+    step = step_time(compute, [gather], model_flops=2.0, peak_flops=1.0)
+    assert (step.exposed_s, step.optimizer_s, step.step_s) == (1.0, 5.0, 8.0)

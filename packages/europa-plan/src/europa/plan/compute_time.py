@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from europa.plan.kernels import Gemm, bytes_seconds, flops_seconds, gemm_seconds
 from europa.plan.memory import memory_by_rank
-from europa.plan.record import PRECISION_PEAK, Efficiencies, Run
+from europa.plan.record import PRECISION_PEAK, Efficiencies, Gpu, Run
 from europa.plan.shapes import padded_vocab
 from europa.plan.stages import RankStage, rank_stages
 
@@ -175,7 +175,15 @@ def optimizer_seconds(run: Run) -> float:
     (Adam: weights, gradients and two moments), memory-bound."""
     fullest = max(memory_by_rank(run), key=lambda p: p.optimizer + p.gradients)
     moved = 2 * (fullest.optimizer + fullest.gradients) * 2**30 + fullest.weights * 2**30
-    return bytes_seconds(moved, run.gpu.hbm_tbps, efficiencies(run).memory)
+    return state_pass_seconds(moved, run.gpu)
+
+
+def state_pass_seconds(moved_bytes: float, gpu: Gpu) -> float:
+    """An optimizer step as europa-plan prices one: ``moved_bytes`` of state through HBM,
+    memory-bound (Muon's Newton–Schulz multiplies are not counted)."""
+    if gpu.efficiencies is None:
+        raise ValueError(f"gpu {gpu.id} was not read with its generation's efficiencies")
+    return bytes_seconds(moved_bytes, gpu.hbm_tbps, gpu.efficiencies.memory)
 
 
 def compute_by_rank(run: Run) -> list[ComputeTerms]:

@@ -47,6 +47,7 @@ class Compute:
     seconds: float
     last_backward_s: float  # of it, the last micro-batch's backward and recomputed forward
     priced_by: str
+    optimizer_s: float = 0.0  # the optimizer step after it, which nothing overlaps
 
 
 def flat_compute(
@@ -61,11 +62,13 @@ def flat_compute(
     return Compute(seconds, last_backward, priced_by)
 
 
-def kernel_compute(terms: ComputeTerms, micro_batches: int, priced_by: str) -> Compute:
+def kernel_compute(
+    terms: ComputeTerms, micro_batches: int, priced_by: str, optimizer_s: float = 0.0
+) -> Compute:
     """One micro-batch's ``terms`` (``europa.plan.compute_time``) ``micro_batches`` times;
     the last one's backward is all but its forward's third of the work not recomputed."""
     forward = (terms.total - terms.recompute) / 3
-    return Compute(terms.total * micro_batches, terms.total - forward, priced_by)
+    return Compute(terms.total * micro_batches, terms.total - forward, priced_by, optimizer_s)
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ class StepTime:
     step_s: float
     mfu: float
     compute_priced_by: str = ""
+    optimizer_s: float = 0.0  # of ``step_s``, the optimizer step (after the compute)
+    last_backward_s: float = 0.0  # of the compute, what once-a-step sums may hide behind
 
 
 def step_time(
@@ -100,10 +105,19 @@ def step_time(
         for s, last, tail in per_budget.values()
     ]
     exposed += max([0.0, *beyond])
-    step = compute.seconds + exposed
+    step = compute.seconds + exposed + compute.optimizer_s
     seconds = {(t.kind, t.link): t.seconds for t in transfers}
     mfu = model_flops / (step * peak_flops)
-    return StepTime(compute.seconds, seconds, exposed, step, mfu, compute.priced_by)
+    return StepTime(
+        compute.seconds,
+        seconds,
+        exposed,
+        step,
+        mfu,
+        compute.priced_by,
+        compute.optimizer_s,
+        compute.last_backward_s,
+    )
 
 
 def pipeline_step_time(
@@ -114,12 +128,16 @@ def pipeline_step_time(
     extra: Iterable[Transfer] = (),
     model_flops: float,
     peak_flops: float,
+    optimizer_s: float = 0.0,
 ) -> StepTime:
     """A pipeline's step, played out by its schedule (``europa.plan.simulate``): the
-    busiest rank's ``busy_s`` is its compute, the rest of ``step_s`` what it waits for;
-    ``rank_step``'s transfers and the stages' ``extra`` ones (hidden states between
-    ranks) are listed. MFU counts ``model_flops`` against every pipeline rank's
-    ``peak_flops``."""
+    busiest rank's ``busy_s`` is its compute, the rest of ``step_s`` what it waits for,
+    and the slowest rank's ``optimizer_s`` follows; ``rank_step``'s transfers and the
+    stages' ``extra`` ones (hidden states between ranks) are listed. MFU counts
+    ``model_flops`` against every pipeline rank's ``peak_flops``."""
     link_s = dict(rank_step.link_s) | {(t.kind, t.link): t.seconds for t in extra}
-    mfu = model_flops / (step_s * peak_flops) if step_s else 0.0
-    return StepTime(busy_s, link_s, step_s - busy_s, step_s, mfu, rank_step.compute_priced_by)
+    step = step_s + optimizer_s
+    mfu = model_flops / (step * peak_flops) if step else 0.0
+    how = rank_step.compute_priced_by
+    last = rank_step.last_backward_s
+    return StepTime(busy_s, link_s, step_s - busy_s, step, mfu, how, optimizer_s, last)

@@ -219,6 +219,7 @@ def assemble(
         world_size,
         model_flops=per_token * tokens_per_rank,
         hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
+        state_bytes=state.totals()[rank],
         layers=None if scope is None else scope.layer_indices,
         head=scope is None or scope.head,
     )

@@ -119,7 +119,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
 
         return simulate(
             orders,
-            lambda stage: stage_s(stage, lambda step: step.step_s),
+            lambda stage: stage_s(stage, lambda step: step.step_s - step.optimizer_s),
             lambda a, b: one_send.seconds if (a, b) in crossings else 0.0,
             exchange_s=(lambda stage: stage_s(stage, exposed_exchange_s)) if side_by_side else None,
         )
@@ -159,7 +159,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         paired_hidden_s=in_turn.step_s - step.step_s,
     )
     heaviest = max(plans, key=lambda r: plans[r].device_total)
-    whole = _WholeRun(config, shapes, hardware, world_size, per_node)
+    whole = _WholeRun(config, shapes, hardware, world_size, per_node, tuple(plans.values()))
     whole_plan = whole.plan(
         plans[heaviest], pipeline, (with_overlap, without_overlap), sends[heaviest]
     )
@@ -228,6 +228,7 @@ class _WholeRun:
     hardware: object
     world_size: int
     per_node: int
+    rank_plans: tuple  # every pipeline rank's plan: the slowest optimizer step ends the step
 
     def plan(self, rank_plan, pipeline: PipelinePlan, played, send: int):
         """The heaviest rank's plan as the whole run's: the pipeline's step and MFU, its
@@ -246,6 +247,8 @@ class _WholeRun:
             rate = hardware.bandwidth(link, "point_to_point")
             sends.append(Transfer(STAGE_KIND, link, send, rate, overlapped=False))
 
+        ranks = self.rank_plans
+
         def played_step(sim: Simulation, rank_step: StepTime) -> StepTime:
             return pipeline_step_time(
                 rank_step,
@@ -254,6 +257,7 @@ class _WholeRun:
                 extra=sends,
                 model_flops=per_token * tokens,
                 peak_flops=hardware.peak_flops(training.dtype) * config.parallel.pp,
+                optimizer_s=max(p.with_overlap.optimizer_s for p in ranks),
             )
 
         with_overlap, without_overlap = played

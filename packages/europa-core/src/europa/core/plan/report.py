@@ -15,6 +15,7 @@ def _step(t: StepTime, tokens_per_step: int) -> dict[str, Any]:
     return {
         "compute_s": t.compute_s,
         "exposed_communication_s": t.exposed_s,
+        "optimizer_s": t.optimizer_s,
         "step_s": t.step_s,
         "mfu": t.mfu,
         "tokens_per_second": tokens_per_step / t.step_s,
@@ -217,6 +218,7 @@ def plan_table(plan: Plan) -> str:
     lines += [
         _row("compute", f"{without.compute_s:.3g} s", f"{with_.compute_s:.3g} s"),
         _row("exposed communication", f"{without.exposed_s:.3g} s", f"{with_.exposed_s:.3g} s"),
+        _row("optimizer step", f"{without.optimizer_s:.3g} s", f"{with_.optimizer_s:.3g} s"),
         _row("step", f"{without.step_s:.3g} s", f"{with_.step_s:.3g} s"),
         _row("MFU", f"{100 * without.mfu:.1f} %", f"{100 * with_.mfu:.1f} %"),
         _row(

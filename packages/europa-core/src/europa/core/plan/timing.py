@@ -30,6 +30,7 @@ from europa.core.plan.plan_record import compute_record
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.traffic import HOST, Traffic
 from europa.plan.compute_time import rank_compute as rank_compute_terms
+from europa.plan.compute_time import state_pass_seconds
 from europa.plan.exposure import Compute, Transfer, flat_compute, kernel_compute
 from europa.plan.stages import RankStage
 from europa.spec.plan_layout import LAST_BACKWARD
@@ -74,13 +75,16 @@ def rank_compute(
     *,
     model_flops: float,
     hardware_flops: float,
+    state_bytes: int,
     layers: tuple[int, ...] | None = None,
     head: bool = True,
 ) -> Compute:
     """One rank's compute for a step: europa-plan's kernel model, fitted on published
-    runs, where ``hardware`` names its GPU and the run trains in bfloat16; else the step's
-    FLOPs at the profile's one rate (a CPU's measured one, a profile of the user's own,
-    float32 training). ``layers`` (indices) and ``head``: a pipeline rank's share."""
+    runs, where ``hardware`` names its GPU and the run trains in bfloat16, and its
+    optimizer step, the rank's ``state_bytes`` (parameters, gradients, optimizer state)
+    read and written once; else the step's FLOPs at the profile's one rate (a CPU's
+    measured one, a profile of the user's own, float32 training), the optimizer step not
+    priced. ``layers`` (indices) and ``head``: a pipeline rank's share."""
     training = config.training
     micro = training.grad_accum_steps
     if hardware.fitted_gpu and training.dtype == "bfloat16":
@@ -89,7 +93,8 @@ def rank_compute(
         stage = RankStage(0, held, embedding=layers is None or 0 in held, head=head)
         eff = run.gpu.efficiencies
         how = f"europa-plan's {eff.id} fit, kernel by kernel ({eff.fitted})"
-        return kernel_compute(rank_compute_terms(run, stage), micro, how)
+        optimizer = state_pass_seconds(2 * state_bytes, run.gpu)
+        return kernel_compute(rank_compute_terms(run, stage), micro, how, optimizer)
     why = "not fitted" if hardware.fitted_gpu else "the profile's"
     return flat_compute(
         model_flops=model_flops,
@@ -98,7 +103,7 @@ def rank_compute(
         efficiency=hardware.matmul_efficiency,
         micro_batches=micro,
         priced_by=f"{training.dtype} at matmul_efficiency {hardware.matmul_efficiency:g} "
-        f"of the peak ({why})",
+        f"of the peak ({why}); the optimizer step not priced",
     )
 
 
