@@ -8,6 +8,7 @@ counted: its FLOPs per token in its source's convention and as the GPUs execute 
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from europa.plan.builtin import builtin_tables
@@ -21,8 +22,10 @@ def load_runs(path: str | Path) -> RunsFile:
     return read_runs(path, builtin_tables())
 
 
+@functools.cache
 def builtins() -> RunsFile:
-    """The built-in generations, GPUs and models alone, as an empty runs file knows them."""
+    """The built-in generations, GPUs and models alone, as an empty runs file knows them
+    (read once a process: europa-core's planner asks for them in every layout it plans)."""
     return read_tables({}, builtin_tables(), Path("builtin.toml"))
 
 

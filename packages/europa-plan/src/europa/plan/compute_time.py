@@ -181,9 +181,7 @@ def optimizer_seconds(run: Run) -> float:
 def state_pass_seconds(moved_bytes: float, gpu: Gpu) -> float:
     """An optimizer step as europa-plan prices one: ``moved_bytes`` of state through HBM,
     memory-bound (Muon's Newton–Schulz multiplies are not counted)."""
-    if gpu.efficiencies is None:
-        raise ValueError(f"gpu {gpu.id} was not read with its generation's efficiencies")
-    return bytes_seconds(moved_bytes, gpu.hbm_tbps, gpu.efficiencies.memory)
+    return bytes_seconds(moved_bytes, gpu.hbm_tbps, gpu_efficiencies(gpu).memory)
 
 
 def compute_by_rank(run: Run) -> list[ComputeTerms]:
@@ -191,6 +189,10 @@ def compute_by_rank(run: Run) -> list[ComputeTerms]:
 
 
 def efficiencies(run: Run) -> Efficiencies:
-    if run.gpu.efficiencies is None:
-        raise ValueError(f"gpu {run.gpu.id} was not read with its generation's efficiencies")
-    return run.gpu.efficiencies
+    return gpu_efficiencies(run.gpu)
+
+
+def gpu_efficiencies(gpu: Gpu) -> Efficiencies:
+    if gpu.efficiencies is None:
+        raise ValueError(f"gpu {gpu.id} was not read with its generation's efficiencies")
+    return gpu.efficiencies

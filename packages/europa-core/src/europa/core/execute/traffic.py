@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from europa.core.plan.traffic import EXCHANGE_KIND
-from europa.plan.links import ring_network_share
+from europa.core.plan.traffic import EXCHANGE_KIND, ring_split
 from europa.spec.tags import traffic_kind
 
 INTRA, INTER = "intra_node", "inter_node"
@@ -117,10 +116,7 @@ class TrafficCount:
 
     def _ring_links(self, ranks: list[int]) -> dict[str, float]:
         members = sum(self._link_to(r) == INTRA for r in ranks)
-        if members == len(ranks):
-            return {INTRA: 1.0}
-        across = ring_network_share(members) if self.rails else 1.0
-        return {INTRA: 1.0 - across, INTER: across} if across < 1 else {INTER: 1.0}
+        return ring_split(members, len(ranks), self.rails)
 
     def _count(self, name: str, *args, **kwargs) -> None:
         bound = _bind(name, args, kwargs)

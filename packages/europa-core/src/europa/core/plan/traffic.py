@@ -37,6 +37,14 @@ def ring_links(size: int, stride: int, gpus_per_node: int, rails: bool) -> dict[
     if strided_link(size, stride, gpus_per_node) == INTRA:
         return {INTRA: 1.0}
     members = min(size, max(1, gpus_per_node // stride)) if stride < gpus_per_node else 1
+    return ring_split(members, size, rails)
+
+
+def ring_split(members: int, size: int, rails: bool) -> dict[str, float]:
+    """The shares by link of a ring over ``size`` ranks, ``members`` of them on a rank's
+    node (``ring_links``; the execution's count takes the same)."""
+    if members >= size:
+        return {INTRA: 1.0}
     across = ring_network_share(members) if rails else 1.0
     return {INTRA: 1.0 - across, INTER: across} if across < 1 else {INTER: 1.0}
 
@@ -166,6 +174,13 @@ def step_traffic(
             "expert_all_to_all_bytes_per_step"
         ]
     }
+
+    def ring(kind, nbytes, size_stride, overlappable, window=STEP, tail_bytes=0.0):
+        """A ring collective's bytes (and tail) split over the links it crosses."""
+        shares = ring_links(*size_stride, gpus_per_node, rails)
+        for link, f in shares.items():
+            yield Traffic(kind, link, int(nbytes * f), overlappable, window, int(tail_bytes * f))
+
     # A gather sends parameters in the compute dtype, a reduce-scatter gradients in theirs.
     unit_passes = (
         ("parameter_gather", 0, compute_bytes),
@@ -177,34 +192,23 @@ def step_traffic(
             for kind, i, nbytes in unit_passes
             for link, elements in by_link.items()
         ),
-        *(
-            Traffic(
-                "gradient_replica_all_reduce",
-                link,
-                int(replicated * f),
-                replica.get("overlappable", True),
-                replica.get("window", STEP),
-                int(replica.get("tail_elements", 0) * replica_share * f),
-            )
-            for link, f in ring_links(replicas, replica_stride, gpus_per_node, rails).items()
+        *ring(
+            "gradient_replica_all_reduce",
+            replicated,
+            (replicas, replica_stride),
+            replica.get("overlappable", True),
+            replica.get("window", STEP),
+            replica.get("tail_elements", 0) * replica_share,
         ),
-        *(
-            Traffic(
-                "expert_gradient_all_reduce",
-                link,
-                int(expert_copies * f),
-                copies.get("overlappable", True),
-                copies.get("window", STEP),
-            )
-            for link, f in ring_links(
-                copies["group_size"], copies["stride"], gpus_per_node, rails
-            ).items()
+        *ring(
+            "expert_gradient_all_reduce",
+            expert_copies,
+            (copies["group_size"], copies["stride"]),
+            copies.get("overlappable", True),
+            copies.get("window", STEP),
         ),
         *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
-        *(
-            Traffic("optimizer_step", link, int(step_gather * f), False)
-            for link, f in shard_links.items()
-        ),
+        *ring("optimizer_step", step_gather, (group, 1), overlappable=False),
         # Offloaded activations go out once and come back once a micro-batch; offloaded
         # optimizer state once each way a step. The same bytes each way, at each way's rate.
         *(
