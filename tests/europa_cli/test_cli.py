@@ -170,6 +170,23 @@ BAD = [
     (["config", "show", "--set"], "Option '--set' requires an argument."),
     (["train", "--set", "training.steps=0"], "training.steps = 0: expected an integer > 0"),
     (["train", "--set", "run.name=2024-01-01"], "run.name = 2024-01-01: expected a string"),
+    (
+        ["train", "--set", "optimizer.name=muon", "--set", "optimizer.qk_clip_tau=0"],
+        "optimizer.qk_clip_tau = 0: expected a finite number > 0",
+    ),
+    (
+        ["train", "--set", "optimizer.qk_clip_tau=-5"],
+        "optimizer.qk_clip_tau = -5: expected a finite number > 0",
+    ),
+    (
+        ["train", "--set", 'optimizer.qk_clip_tau="high"'],
+        'optimizer.qk_clip_tau = "high": expected a finite number > 0',
+    ),
+    (
+        ["train", "--set", "optimizer.qk_clip=true"],
+        'optimizer.qk_clip = true: expected false with optimizer.name = "adamw" (QK-clip is '
+        'MuonClip\'s: it needs optimizer.name = "muon")',
+    ),
     (["train", "--resume"], None),
     (["train", "--nproc", "0"], None),
     (["train", "--nproc", "two"], None),

@@ -53,6 +53,8 @@ def _load(overrides: list[str], **kwargs: Any) -> EuropaConfig:
 # Keys tied together by cross-field rules; drawn together, consistently, by _coupled.
 COUPLED = {
     "run.name",
+    "optimizer.name",
+    "optimizer.qk_clip",
     "parallel.pp",
     "parallel.pp_schedule",
     "parallel.pp_stages_per_rank",
@@ -193,6 +195,9 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
                 "plugins.enabled": [],
                 **{f"fault_tolerance.{k}": v for k, v in zip(TIMEOUT_LADDER, ladder, strict=True)},
             }
+    if draw(st.booleans()):  # QK-clip needs Muon
+        out["optimizer.name"] = draw(st.sampled_from(["adamw", "muon"]))
+        out["optimizer.qk_clip"] = out["optimizer.name"] == "muon" and draw(st.booleans())
     if draw(st.booleans()):  # one folder name: UTF-8, non-empty, no "/" or NUL, <= 200 bytes
         letters = st.characters(exclude_characters="/\0", exclude_categories=["Cs"])
         name = draw(st.text(letters, min_size=1, max_size=50))

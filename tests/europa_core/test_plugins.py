@@ -140,6 +140,7 @@ def test_builtins_are_listed_first_and_always_enabled():
         "europa_checkpoint_state",
         "europa_clip_gradients",
         "europa_init_parameters",
+        "europa_scale_rows",
         "europa_shard_model",
     )
     assert hooks["core.optimizer"] == ("europa_build_optimizer",)
@@ -471,6 +472,7 @@ def test_every_hook_docstring_states_how_it_is_called():
         "europa_wrap_optimizer",
         "europa_step_context",
         "europa_clip_gradients",
+        "europa_scale_rows",
         "europa_after_step",
         "europa_checkpoint_state",
         "europa_plan",
@@ -496,6 +498,7 @@ def test_pick_one_hooks_are_the_firstresult_ones():
         "europa_init_parameters",
         "europa_build_optimizer",
         "europa_clip_gradients",
+        "europa_scale_rows",
         "europa_checkpoint_state",
     }
     # Declarations are read per plugin after every plugin is registered, so no

@@ -122,6 +122,13 @@ def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: flo
 
 
 @hookimpl
+def europa_scale_rows(
+    job: RunningJob, model: torch.nn.Module, factors: dict[str, torch.Tensor]
+) -> int:
+    return _layout(job).scale_rows(factors)
+
+
+@hookimpl
 def europa_checkpoint_state(
     job: RunningJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> FlexShardState:

@@ -25,6 +25,7 @@ from europa.flexshard.gather import GatherUnit
 from europa.flexshard.ownership import OwnershipPlan, ParameterSpec
 from europa.flexshard.slots import Groups, Slot
 from europa.spec.init import InitMatrix
+from europa.spec.qk_clip import scale_rows_
 from europa.spec.tags import mark_traffic
 
 if TYPE_CHECKING:
@@ -128,6 +129,19 @@ class FlexShardLayout:
             unit.reduce_replicas()
         if self.experts is not None:
             self.experts.reduce_copies([self.slots[n].local for n in self.experts.names])
+
+    @torch.no_grad()
+    def scale_rows(self, factors: dict[str, torch.Tensor]) -> int:
+        """QK-clip after the optimizer step: each named matrix's owner scales its rows
+        (``europa.spec.qk_clip.scale_rows_``); it owns the whole matrix, so nothing is sent.
+        The next forward's gathers carry the scaled rows to every rank."""
+        scaled = 0
+        for name, factor in factors.items():
+            if self.spec(name).stacked:
+                raise ValueError(f"scale_rows: {name} is a stack of matrices; expected one matrix")
+            for matrix in self.slots[name].local:  # [owned, rows, cols]: one matrix or none
+                scaled += scale_rows_(matrix, factor, 0)
+        return scaled
 
     @torch.no_grad()
     def clip_grad_norm_(

@@ -19,7 +19,8 @@ Phases, in order (``PHASES``):
   (``europa_init_parameters``) → optimizer (``europa_build_optimizer``,
   ``europa_checkpoint_state``, ``europa_wrap_optimizer``) → every step
   (``europa_step_context`` around forward, backward, ``europa_clip_gradients`` and
-  the optimizer step; then ``europa_after_step``) → teardown (``europa_teardown``,
+  the optimizer step, then ``europa_scale_rows`` for QK-clip; then
+  ``europa_after_step``) → teardown (``europa_teardown``,
   once, after the last step or after an error).
 
 The wrap phase's order is part of the contract: activation checkpointing first
@@ -32,7 +33,8 @@ metrics record that step writes has ``"step": step + 1`` (``europa.spec.metrics`
 
 The layout that wins ``europa_shard_model`` decides where parameters live, so it also
 answers the hooks that depend on that: ``europa_init_parameters``,
-``europa_clip_gradients`` and ``europa_checkpoint_state``. Core's defaults handle plain
+``europa_clip_gradients``, ``europa_scale_rows`` and ``europa_checkpoint_state``. Core's
+defaults handle plain
 tensors and DTensors (FSDP2); a layout with its own storage (europa-flexshard)
 implements all four.
 
@@ -69,7 +71,10 @@ PHASES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("wrap", ("europa_wrap_model",)),
     ("materialise", ("europa_init_parameters",)),
     ("optimizer", ("europa_build_optimizer", "europa_checkpoint_state", "europa_wrap_optimizer")),
-    ("step", ("europa_step_context", "europa_clip_gradients", "europa_after_step")),
+    (
+        "step",
+        ("europa_step_context", "europa_clip_gradients", "europa_scale_rows", "europa_after_step"),
+    ),
     ("teardown", ("europa_teardown",)),
 )
 
@@ -334,6 +339,27 @@ def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: flo
     """
 
 
+@hookspec(firstresult=True)
+def europa_scale_rows(
+    job: RunningJob, model: torch.nn.Module, factors: dict[str, torch.Tensor]
+) -> int | None:
+    """Scale rows of parameters in place, after the optimizer step (QK-clip,
+    ``europa.spec.qk_clip``).
+
+    Stops at first non-None result.
+
+    :param job: The rank's job.
+    :param model: The model the optimizer has just stepped.
+    :param factors: ``{parameter name: float64 factor of each of its global rows}``, the
+        same on every rank. Scale the rows this rank holds with
+        ``europa.spec.qk_clip.scale_rows_``, which leaves the rows whose factor is 1
+        untouched.
+    :returns: The rows this rank scaled.
+
+    Core's default handles plain and DTensor parameters.
+    """
+
+
 @hookspec
 def europa_after_step(job: RunningJob, step: int, metrics: dict[str, Any]) -> None:
     """Called on every rank after the optimizer step.
@@ -377,6 +403,7 @@ __all__ = [
     "europa_init_parameters",
     "europa_plan",
     "europa_register_commands",
+    "europa_scale_rows",
     "europa_search_levers",
     "europa_shard_model",
     "europa_step_context",

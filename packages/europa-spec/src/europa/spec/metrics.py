@@ -26,6 +26,10 @@ SKIPPED_STEPS = "skipped_steps"
 CHECKPOINT_S = "checkpoint_s"
 CHECKPOINT_WAIT_S = "checkpoint_wait_s"
 CHECKPOINT_STAGING_BYTES = "checkpoint_staging_bytes"
+# With optimizer.qk_clip: each layer's largest pre-softmax logit of the step (over its
+# heads, before the clip) and the heads whose weights the clip scaled.
+QK_LOGIT_MAX = "qk_logit_max"
+QK_HEADS_CLIPPED = "qk_heads_clipped"
 VAL_LOSS = "val_loss"
 VAL_PERPLEXITY = "val_perplexity"
 # With pipeline stages, one entry per pipeline rank: the bytes its stages sent to other
@@ -64,7 +68,10 @@ VALIDATION_KEYS = frozenset({VAL_LOSS, VAL_PERPLEXITY})
 CHECKPOINT_KEYS = frozenset({CHECKPOINT_S, CHECKPOINT_WAIT_S, CHECKPOINT_STAGING_BYTES})
 PIPELINE_KEYS = frozenset({PIPELINE_SENT_BYTES, PIPELINE_BUBBLE})
 REPLICA_KEYS = frozenset({REPLICAS, COMMITTED, HEAL_S, STATE_DIGEST})
-CORE_KEYS = TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS | REPLICA_KEYS
+QK_CLIP_KEYS = frozenset({QK_LOGIT_MAX, QK_HEADS_CLIPPED})
+CORE_KEYS = (
+    TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS | REPLICA_KEYS | QK_CLIP_KEYS
+)
 
 
 __all__ = [
@@ -85,6 +92,9 @@ __all__ = [
     "PIPELINE_BUBBLE",
     "PIPELINE_KEYS",
     "PIPELINE_SENT_BYTES",
+    "QK_CLIP_KEYS",
+    "QK_HEADS_CLIPPED",
+    "QK_LOGIT_MAX",
     "REPLICAS",
     "REPLICA_KEYS",
     "SKIPPED",

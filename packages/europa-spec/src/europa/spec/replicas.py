@@ -31,6 +31,10 @@ class ReplicaGroups(Protocol):
         (with rank ``k`` of each). After a failure inside the step the values are
         undefined and the step does not commit."""
 
+    def maximum(self, tensor: torch.Tensor) -> None:
+        """The elementwise maximum of ``tensor`` over this step's participating replica
+        groups, in place (a group that does not take part counts as zeros)."""
+
     def participants(self) -> int:
         """How many replica groups take part in this step."""
 

@@ -31,6 +31,11 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
         raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
     _check_pipeline(config)
     _check_fault_tolerance(config)
+    opt = config.optimizer
+    if opt.qk_clip and opt.name != "muon":
+        raise fail("optimizer.qk_clip", True,
+                   f'false with optimizer.name = "{opt.name}" (QK-clip is MuonClip\'s: it needs '
+                   'optimizer.name = "muon")')  # fmt: skip
 
 
 # Each stage of the ladder must outlast the one below it: a slow collective fails the

@@ -84,6 +84,12 @@ class OptimizerConfig:
     eps: float = setting(1e-8, gt=0)
     muon_momentum: float = setting(0.95, ge=0, le=1)
     muon_ns_steps: int = setting(5, gt=0)
+    qk_clip: bool = setting(
+        False,
+        doc="MuonClip's QK-clip (Kimi-K2): after each step, scale the query and key weights "
+        "of every head whose largest pre-softmax logit exceeded qk_clip_tau; needs muon",
+    )
+    qk_clip_tau: float = setting(100.0, gt=0, doc="the logit QK-clip holds each head to")
 
 
 @dataclass(kw_only=True)

@@ -126,6 +126,12 @@ class TorchftReplicaGroups:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
 
+    def maximum(self, tensor: torch.Tensor) -> None:
+        """torchft's allreduce with MAX: gloo and NCCL reduce it exactly (no averaging)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(tensor, reduce_op=ReduceOp.MAX).wait()
+
     def participants(self) -> int:
         return self.manager.num_participants()
 

@@ -15,7 +15,9 @@ a zero-filled whole-size gradient per block.
 
 Same interface as torchtitan's ``ScaledDotProductAttention``: (B, L, N, H)
 tensors in and out, causal only; and ``mla``, the same attention from MLA's parts
-before they are concatenated (``europa.core.model.mla``).
+before they are concatenated (``europa.core.model.mla``). Armed for QK-clip
+(``europa.core.model.logit_max``), a training forward records each head's largest
+score from the blocks it computes.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 from torchtitan.protocols.module import Module
+
+from europa.core.model.logit_max import recorder
 
 DEFAULT_CHUNKS = 4
 
@@ -62,14 +66,17 @@ def _write_rows(dest: torch.Tensor, start: int, rows: torch.Tensor) -> None:
     dest[:, start : start + rows.size(1)].copy_(_sequence_major(rows, batch, heads))
 
 
-def _attend(k, v, query_block, out_BLNH, scale: float, bounds):
+def _attend(k, v, query_block, out_BLNH, scale: float, bounds, logit_max=None):
     """Forward over the query blocks: ``query_block(start, end)`` gives block rows
     start..end head-major (B·N, end - start, H) in fp32; each block's output is written
-    into ``out_BLNH``. Returns the blocks' queries and probabilities (saved for backward)."""
+    into ``out_BLNH``, and its scores' maxima into ``logit_max`` (a ``LogitMax``), if
+    given. Returns the blocks' queries and probabilities (saved for backward)."""
     queries, probabilities = [], []
     for start, end in bounds:
         q = query_block(start, end)
         scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
+        if logit_max is not None:
+            logit_max.observe(scores, out_BLNH.size(0))
         probs = scores.softmax(dim=-1)
         _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :end]))
         queries.append(q)
@@ -107,12 +114,18 @@ class _BlockCausal(torch.autograd.Function):
     block's probabilities."""
 
     @staticmethod
-    def forward(ctx, q_BLNH, k_BLNH, v_BLNH, scale: float, bounds: list[tuple[int, int]]):
+    def forward(ctx, q_BLNH, k_BLNH, v_BLNH, scale: float, bounds, logit_max):
         seq_len = q_BLNH.size(1)
         k, v = (_head_major(t, 0, seq_len) for t in (k_BLNH, v_BLNH))
         out_BLNH = torch.empty_like(v_BLNH, memory_format=torch.contiguous_format)
         queries, probabilities = _attend(
-            k, v, lambda start, end: _head_major(q_BLNH, start, end), out_BLNH, scale, bounds
+            k,
+            v,
+            lambda start, end: _head_major(q_BLNH, start, end),
+            out_BLNH,
+            scale,
+            bounds,
+            logit_max,
         )
         ctx.save_for_backward(k, v, *queries, *probabilities)
         ctx.scale, ctx.bounds = scale, bounds
@@ -138,7 +151,7 @@ class _BlockCausal(torch.autograd.Function):
         )
         grad_k = _sequence_major(grad_k, batch, heads).to(k_dtype)
         grad_v = _sequence_major(grad_v, batch, heads).to(grad_out_BLNH.dtype)
-        return grad_q_BLNH, grad_k, grad_v, None, None
+        return grad_q_BLNH, grad_k, grad_v, None, None, None
 
 
 def rotate(x: torch.Tensor, rope_cache: torch.Tensor) -> torch.Tensor:
@@ -160,7 +173,7 @@ class _BlockCausalMLA(torch.autograd.Function):
     followed by _BlockCausal."""
 
     @staticmethod
-    def forward(ctx, q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope: int, scale: float, bounds):
+    def forward(ctx, q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds, logit_max):
         batch, seq_len, heads, _ = kv_BLNF.shape
         rope = k_pe_BL1R.size(-1)
         k = torch.empty(
@@ -188,7 +201,7 @@ class _BlockCausalMLA(torch.autograd.Function):
             )
             return block.view(batch * heads, end - start, -1)
 
-        queries, probabilities = _attend(k, v, query_block, out_BLNH, scale, bounds)
+        queries, probabilities = _attend(k, v, query_block, out_BLNH, scale, bounds, logit_max)
         ctx.save_for_backward(k, v, rope_cache, *queries, *probabilities)
         ctx.scale, ctx.bounds, ctx.nope = scale, bounds, nope
         ctx.dtypes = (q_BLNQ.dtype, kv_BLNF.dtype, k_pe_BL1R.dtype)
@@ -228,10 +241,12 @@ class _BlockCausalMLA(torch.autograd.Function):
         grad_kv[..., :nope].copy_(grad_k[..., :nope])
         grad_kv[..., nope:].copy_(_sequence_major(grad_v, batch, heads))
         grad_k_pe = grad_k[..., nope:].to(k_pe_dtype).sum(dim=2, keepdim=True)
-        return grad_q, grad_kv, grad_k_pe, None, None, None, None
+        return grad_q, grad_kv, grad_k_pe, None, None, None, None, None
 
 
 class BlockCausalAttention(Module):
+    records_logit_max = True  # QK-clip can arm it (europa.core.model.logit_max)
+
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):
         chunks: int = DEFAULT_CHUNKS
@@ -255,9 +270,8 @@ class BlockCausalAttention(Module):
             raise ValueError("BlockCausalAttention computes plain causal attention only")
         scale = q_BLNH.size(-1) ** -0.5 if scale is None else scale
         # fp32 arithmetic whatever the compute dtype, as SDPA's CPU path does
-        return _BlockCausal.apply(
-            q_BLNH, k_BLNH, v_BLNH, scale, chunk_bounds(q_BLNH.size(1), self.chunks)
-        )
+        bounds = chunk_bounds(q_BLNH.size(1), self.chunks)
+        return _BlockCausal.apply(q_BLNH, k_BLNH, v_BLNH, scale, bounds, recorder(self))
 
     def mla(
         self,
@@ -273,4 +287,6 @@ class BlockCausalAttention(Module):
         columns not yet rotated by ``rope_cache``, kv as wkv_b gives it (``nope`` key
         columns, then the values), k_pe rotated and shared by the heads."""
         bounds = chunk_bounds(q_BLNQ.size(1), self.chunks)
-        return _BlockCausalMLA.apply(q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds)
+        return _BlockCausalMLA.apply(
+            q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds, recorder(self)
+        )

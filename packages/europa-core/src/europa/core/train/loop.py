@@ -55,6 +55,7 @@ from europa.core.train.assemble import build_optimizer, place_model
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.evaluate import validation_metrics
 from europa.core.train.nonfinite import SkippedSteps
+from europa.core.train.qk_clip import QKClip
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -146,6 +147,8 @@ class Trainer:
             self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
+        opt = cfg.optimizer
+        self.qk_clip = QKClip(model, cfg.model.n_layers, opt.qk_clip_tau) if opt.qk_clip else None
         self.pipeline = None
         if stage_names is not None:
             self.pipeline = pipeline.PipelineRun(job, model, stage_names, logits_loss)
@@ -359,6 +362,9 @@ class Trainer:
                 if manager is not None:
                     stack.enter_context(manager)
             loss = self._forward_backward(step)
+            maxima = None
+            if self.qk_clip is not None:  # before the vote: torchft's collectives end there
+                maxima = self.qk_clip.agreed_maxima(self.job.device, self.replicas)
             if self.replicas is not None and not self.job.state.get(LAYOUT_SUMS_REPLICAS):
                 self._average_over_replicas()
             grad_norm = self._clip()
@@ -373,6 +379,8 @@ class Trainer:
                 staged = self.pipeline.step_metrics()
             if committed and not skipped:
                 self.optimizer.step()
+                if maxima is not None:
+                    self._clip_heads(maxima)
             self.optimizer.zero_grad(set_to_none=True)
             if committed:
                 self.scheduler.step()
@@ -404,7 +412,17 @@ class Trainer:
             **staged,
             **replicas,
             **self.skipped.record(skipped),
+            **self._clip_metrics(maxima, applied=committed and not skipped),
         }
+
+    def _clip_metrics(self, maxima: torch.Tensor | None, applied: bool) -> dict[str, Any]:
+        return {} if maxima is None else self.qk_clip.metrics(maxima, applied)
+
+    def _clip_heads(self, maxima: torch.Tensor) -> None:
+        """QK-clip after the optimizer step: the layout scales the rows it holds."""
+        factors = self.qk_clip.row_factors(maxima)
+        if factors:
+            self.plugins.hook.europa_scale_rows(job=self.job, model=self.model, factors=factors)
 
     def _checks_state(self, step: int, replicas: dict) -> bool:
         every = self.job.config.fault_tolerance.check_every

@@ -119,6 +119,15 @@ def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: flo
 
 
 @hookimpl(trylast=True)
+def europa_scale_rows(
+    job: RunningJob, model: torch.nn.Module, factors: dict[str, torch.Tensor]
+) -> int:
+    from europa.core.train.qk_clip import scale_held_rows
+
+    return scale_held_rows(model, factors)
+
+
+@hookimpl(trylast=True)
 def europa_checkpoint_state(
     job: RunningJob, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> Stateful:

@@ -1,0 +1,107 @@
+"""QK-clip in europa's trainer (Kimi-K2's MuonClip; the arithmetic: ``europa.spec.qk_clip``).
+
+Each step: the armed attentions record their heads' largest logits in the training
+forwards (``europa.core.model.logit_max``); before the vote, ``agreed_maxima`` packs them
+into one (layers, heads) float32 tensor and takes one MAX over the run's ranks (each
+stage fills its own layers, -inf elsewhere, so every stage gets its own layers' maxima
+and rank 0 the whole model's for ``metrics.jsonl``) and, with fault tolerance, one more
+over the replica groups; after the optimizer step ``row_factors`` turns the maxima into
+the factors of the query and key rows of each held layer with a clipped head, which the
+layout (``europa_scale_rows``) applies to the rows it holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torchtitan.models.deepseek_v3.model import Attention
+
+from europa.core.model.logit_max import LogitMax, arm
+from europa.spec.metrics import QK_HEADS_CLIPPED, QK_LOGIT_MAX
+from europa.spec.qk_clip import KEY_VALUE, QUERY, MLAHeads, clip_gammas, row_factors, scale_rows_
+from europa.spec.replicas import ReplicaGroups
+
+
+def _layer_index(module_name: str) -> int:
+    """``layers.3.attention`` → 3."""
+    parts = module_name.split(".")
+    if len(parts) != 3 or parts[0] != "layers" or parts[2] != "attention":
+        raise ValueError(f"QK-clip: attention at {module_name!r}; expected layers.<i>.attention")
+    return int(parts[1])
+
+
+class QKClip:
+    def __init__(self, model: torch.nn.Module, n_layers: int, tau: float) -> None:
+        self.n_layers, self.tau = n_layers, tau
+        self.layers: dict[int, tuple[LogitMax, str, str]] = {}
+        heads = None
+        for name, module in model.named_modules():
+            if not isinstance(module, Attention):
+                continue
+            heads = MLAHeads(module.n_heads, module.qk_nope_head_dim,
+                             module.qk_rope_head_dim, module.v_head_dim)  # fmt: skip
+            query = "wq" if module.q_lora_rank == 0 else "wq_b"
+            recorder = arm(module.inner_attention, module.n_heads)
+            self.layers[_layer_index(name)] = (
+                recorder,
+                f"{name}.{query}.weight",
+                f"{name}.wkv_b.weight",
+            )
+        self.heads = heads
+        if heads is None:
+            raise ValueError("QK-clip: the model holds no MLA attention")
+
+    def agreed_maxima(
+        self, device: torch.device, replicas: ReplicaGroups | None = None
+    ) -> torch.Tensor:
+        """Every layer's heads' largest logits this step, the same on every rank (a
+        collective); the recorders start again."""
+        maxima = torch.full((self.n_layers, self.heads.n_heads), float("-inf"))
+        for layer, (recorder, _, _) in self.layers.items():
+            maxima[layer] = recorder.read()
+            recorder.reset()
+        maxima = maxima.to(device)
+        if dist.is_initialized():
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+        if replicas is not None:
+            replicas.maximum(maxima)
+        return maxima.cpu()
+
+    def row_factors(self, maxima: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The rows to scale in this rank's layers: {parameter name: factor per row}."""
+        gammas = clip_gammas(maxima, self.tau)
+        factors = {}
+        for layer, (_, query, key_value) in self.layers.items():
+            if bool((gammas[layer] < 1).any()):
+                factors[query] = row_factors(self.heads, QUERY, gammas[layer])
+                factors[key_value] = row_factors(self.heads, KEY_VALUE, gammas[layer])
+        return factors
+
+    def metrics(self, maxima: torch.Tensor, applied: bool) -> dict:
+        """The largest logit of each layer (over its heads), and the heads clipped (none
+        when the optimizer did not step: a skipped or uncommitted step)."""
+        return {
+            QK_LOGIT_MAX: maxima.amax(dim=1).tolist(),
+            QK_HEADS_CLIPPED: int((maxima > self.tau).sum()) if applied else 0,
+        }
+
+
+def scale_held_rows(model: torch.nn.Module, factors: dict[str, torch.Tensor]) -> int:
+    """Core's layouts: plain parameters (every row) and DTensors (the local shard's rows,
+    from its global offset)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    params = dict(model.named_parameters())
+    scaled = 0
+    with torch.no_grad():
+        for name, factor in factors.items():
+            param = params[name]
+            if isinstance(param, DTensor):
+                _, offset = compute_local_shape_and_global_offset(
+                    param.shape, param.device_mesh, param.placements
+                )
+                scaled += scale_rows_(param.to_local(), factor, offset[0])
+            else:
+                scaled += scale_rows_(param, factor, 0)
+    return scaled
