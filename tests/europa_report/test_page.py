@@ -131,3 +131,24 @@ def test_a_run_with_validation_draws_it_in_a_validation_section(tmp_path):
         assert trace["x"] == evaluated and all(y is not None for y in trace["y"])
     html = out.read_text()
     assert 'data-section="Validation"' in html and "Plugin: val" not in html
+
+
+def test_a_clipped_run_draws_each_layers_largest_logit_against_tau(tmp_path):
+    records = [
+        {"step": s, "loss": 8.0, "qk_logit_max": {"layers.0": 0.1 * s, "layers.1": 0.2},
+         "qk_heads_clipped": s - 1}
+        for s in (1, 2, 3)
+    ]  # fmt: skip
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "config.toml").write_text("[optimizer]\nqk_clip = true\nqk_clip_tau = 0.15\n")
+
+    _, figures, page = read_page(write_report([tmp_path], tmp_path / "report.html"))
+    lines = {t["name"]: (t["x"], t["y"]) for t in figures["qk_logit_max"]["data"]}
+    assert lines == {
+        "layers.0": ([1, 2, 3], [0.1, 0.2, pytest.approx(0.3)]),
+        "layers.1": ([1, 2, 3], [0.2, 0.2, 0.2]),
+        "tau": ([1, 3], [0.15, 0.15]),
+    }
+    assert figures["qk_heads_clipped"]["data"][0]["y"] == [0, 1, 2]
+    assert "Attention logits (QK-clip)" in page.text
+    assert not any(chart.startswith("Plugin: qk") for chart in page.text)

@@ -18,6 +18,7 @@ VALIDATION = "Validation"
 SPEED = "Speed and memory"
 EXPERTS = "Expert load"
 REPLICAS = "Replica groups"
+ATTENTION = "Attention logits (QK-clip)"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ def all_charts(runs: list[RunData]) -> list[Chart]:
         *_speed_and_memory(runs),
         *_expert_load(runs),
         *_replica_groups(runs),
+        *_attention_logits(runs),
         *_plugins(runs),
     ]
     return [chart for chart in charts if chart.figure["data"]]
@@ -158,6 +160,39 @@ def _replica_groups(runs: list[RunData]) -> list[Chart]:
                  _key("groups", metrics.REPLICAS)),
         heals,
     ]  # fmt: skip
+
+
+def _attention_logits(runs: list[RunData]) -> list[Chart]:
+    """With QK-clip: each layer's largest logit by step against the run's tau (a dashed
+    line), and the heads clipped each step."""
+    traces = []
+    for index, run in enumerate(runs):
+        layers = series.layers(run, metrics.QK_LOGIT_MAX)
+        for layer in layers:
+            name = layer if len(runs) == 1 else f"{run.label} · {layer}"
+            y = series.column(run, metrics.QK_LOGIT_MAX, layer)
+            traces.append(_line(name, series.steps(run), y, DASHES[index % len(DASHES)]))
+        tau = series.number(run.config.get("optimizer", {}).get("qk_clip_tau"))
+        steps = series.steps(run)
+        if layers and tau is not None and steps:
+            name = "tau" if len(runs) == 1 else f"{run.label} · tau"
+            line = _line(name, [steps[0], steps[-1]], [tau, tau], "dash")
+            traces.append(line | {"line": {"dash": "dash", "color": "black"}})
+    logits = Chart(
+        "qk_logit_max",
+        ATTENTION,
+        {
+            "data": traces,
+            "layout": _layout(
+                "Largest attention logit per layer (before the clip) against tau",
+                "step",
+                "largest pre-softmax logit",
+            ),
+        },
+    )
+    clipped = _per_run(runs, "qk_heads_clipped", ATTENTION, "Heads clipped per step", STEP,
+                       _key("heads", metrics.QK_HEADS_CLIPPED))  # fmt: skip
+    return [logits, clipped]
 
 
 def _expert_load(runs: list[RunData]) -> list[Chart]:

@@ -27,7 +27,7 @@ CHECKPOINT_S = "checkpoint_s"
 CHECKPOINT_WAIT_S = "checkpoint_wait_s"
 CHECKPOINT_STAGING_BYTES = "checkpoint_staging_bytes"
 # With optimizer.qk_clip: each layer's largest pre-softmax logit of the step (over its
-# heads, before the clip) and the heads whose weights the clip scaled.
+# heads, before the clip; {layer: logit}) and the heads whose weights the clip scaled.
 QK_LOGIT_MAX = "qk_logit_max"
 QK_HEADS_CLIPPED = "qk_heads_clipped"
 VAL_LOSS = "val_loss"

@@ -81,8 +81,9 @@ class QKClip:
     def metrics(self, maxima: torch.Tensor, applied: bool) -> dict:
         """The largest logit of each layer (over its heads), and the heads clipped (none
         when the optimizer did not step: a skipped or uncommitted step)."""
+        largest = maxima.amax(dim=1).tolist()
         return {
-            QK_LOGIT_MAX: maxima.amax(dim=1).tolist(),
+            QK_LOGIT_MAX: {f"layers.{i}": value for i, value in enumerate(largest)},
             QK_HEADS_CLIPPED: int((maxima > self.tau).sum()) if applied else 0,
         }
 
