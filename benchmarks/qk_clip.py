@@ -5,10 +5,14 @@ Three parts, each on fresh spawned gloo ranks:
 1. **Growth** (one rank, ``--preset`` ``tiny`` at Muon's ``--lr``): the same training twice,
    once recording the logits without clipping (tau = 1e9) and once with the clip at
    ``--tau``. With the clip, after each step the step's own sequences are run forward
-   again and their largest logit read: the clip holds it at tau. JSON: each run's largest
-   logit by step (before the clip), the clipped run's largest logit after each step's
-   clip, and the final loss (the mean of the last ``--final`` steps' losses, as one step's
-   loss is one batch's).
+   again and their largest logit read. JSON: each run's largest logit by step (before the
+   clip), the clipped run's largest logit after each step's clip, and the final loss (the
+   mean of the last ``--final`` steps' losses, as one step's loss is one batch's).
+   The clip (Kimi-K2's Algorithm 1) takes the maxima of the step's forward, before the
+   optimizer's update, and scales the updated weights: the same sequences' logits after
+   the clip are tau × (their maximum after the update) / (their maximum before it), so
+   they can exceed tau by what one update moved them; ``largest_after_clip_over_tau``
+   says by how much at this learning rate.
 2. **Cost** (one rank, ``--cost-preset`` ``debug``): one trainer whose steps alternate with
    the clip on (tau 1e-3: every head clips every step, the most work it can do) and off
    (recording disarmed, no reduce, no scaling); the median step time of each and their
@@ -157,6 +161,10 @@ def main() -> None:
             "largest_logit_after_clip": max(clipped["largest_logit_after_clip"]),
             "after_clip_at_most_tau": max(clipped["largest_logit_after_clip"])
             <= args.tau * (1 + 1e-5),
+            "largest_after_clip_over_tau": max(clipped["largest_logit_after_clip"]) / args.tau,
+            "steps_after_clip_over_tau": sum(
+                v > args.tau * (1 + 1e-5) for v in clipped["largest_logit_after_clip"]
+            ),
             "steps_clipping": sum(c > 0 for c in clipped["heads_clipped"]),
             "final_loss_without_clip": final_without,
             "final_loss_with_clip": final_with,

@@ -52,6 +52,7 @@ def test_a_kimi_k2_shaped_model_executes_at_128_ranks_as_planned(capsys, tmp_pat
             "expert_gradient_all_reduce",
             "expert_all_to_all",
             "host_copies",
+            "qk_clip_maxima",  # the preset's MuonClip: its maxima's one MAX all-reduce
         }
         assert {kind for kind, _ in planned} == kinds
         for row in rank["traffic"]:

@@ -184,6 +184,12 @@ def state_pass_seconds(moved_bytes: float, gpu: Gpu) -> float:
     return bytes_seconds(moved_bytes, gpu.hbm_tbps, gpu_efficiencies(gpu).memory)
 
 
+def attention_flops_seconds(flops: float, gpu: Gpu) -> float:
+    """``flops`` of attention-shaped products (scores of queries against keys) in bf16, at
+    the GPU's fitted attention efficiency (QK-clip's maxima beside a fused kernel)."""
+    return flops_seconds(flops, gpu.peak_tflops["bfloat16"], gpu_efficiencies(gpu).attention)
+
+
 def compute_by_rank(run: Run) -> list[ComputeTerms]:
     return [rank_compute(run, stage) for stage in rank_stages(run)]
 

@@ -19,7 +19,7 @@ only starts when it ends (its ``tail_bytes``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from europa.plan.compute_time import ComputeTerms
 
@@ -69,6 +69,18 @@ def kernel_compute(
     the last one's backward is all but its forward's third of the work not recomputed."""
     forward = (terms.total - terms.recompute) / 3
     return Compute(terms.total * micro_batches, terms.total - forward, priced_by, optimizer_s)
+
+
+def with_forward_work(compute: Compute, seconds: float, micro_batches: int, what: str) -> Compute:
+    """``compute`` with ``seconds`` more in each micro-batch's forward (work beside the
+    model's own, such as QK-clip's logit maxima): not in the last backward."""
+    if seconds <= 0:
+        return compute
+    return replace(
+        compute,
+        seconds=compute.seconds + seconds * micro_batches,
+        priced_by=f"{compute.priced_by}; {what}",
+    )
 
 
 @dataclass(frozen=True)

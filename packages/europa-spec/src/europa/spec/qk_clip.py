@@ -25,6 +25,13 @@ from dataclasses import dataclass
 import torch
 
 DEFAULT_TAU = 100.0
+MAXIMA_TRAFFIC = "qk_clip_maxima"  # the kind of the maxima's MAX all-reduce (plans, counts)
+
+
+def maxima_bytes(n_layers: int, n_heads: int) -> int:
+    """The (layers, heads) float32 maxima every rank reduces once a step."""
+    return n_layers * n_heads * 4
+
 
 QUERY = "query"  # wq / wq_b: per head, nope rows by sqrt(gamma), rope rows by gamma
 KEY_VALUE = "key_value"  # wkv_b: per head, nope key rows by sqrt(gamma), value rows kept
@@ -92,9 +99,11 @@ def scale_rows_(local: torch.Tensor, factors: torch.Tensor, first_row: int) -> i
 __all__ = [
     "DEFAULT_TAU",
     "KEY_VALUE",
+    "MAXIMA_TRAFFIC",
     "QUERY",
     "MLAHeads",
     "clip_gammas",
+    "maxima_bytes",
     "row_factors",
     "scale_rows_",
 ]

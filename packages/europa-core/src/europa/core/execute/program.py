@@ -6,8 +6,9 @@ entry points are process-wide. The program is the trainer's, through the same ho
 the same order (``europa.core.train.assemble``), with no data:
 
 build → shard → wrap → materialise (nothing drawn: values do not exist) → optimizer →
-one step (every micro-batch's forward and backward, the once-a-step sums, clipping, the
-expert-bias update, the optimizer step) → a checkpoint save's planning (what DCP would
+one step (every micro-batch's forward and backward, QK-clip's maxima and their reduce,
+the once-a-step sums, clipping, the expert-bias update, the optimizer step, then
+QK-clip's scaling where values exist) → a checkpoint save's planning (what DCP would
 write, not the write) → teardown. With pipeline stages the rank keeps its stages' modules
 and torch's schedule runs the micro-batches, as the trainer's do; the stages' sends to
 the other pipeline ranks return at once like every collective (nothing arrives: fake
@@ -151,6 +152,7 @@ def run_step_program(
     from europa.core.pipeline.split import keep_rank_stages
     from europa.core.train.assemble import build_optimizer, place_model
     from europa.core.train.loop import logits_loss, next_token_loss
+    from europa.core.train.qk_clip import QKClip
 
     ledger = ledger or MemoryLedger(device_type=job.device.type)
     hook, training, device = manager.hook, job.config.training, job.device
@@ -181,15 +183,19 @@ def run_step_program(
                     loss = next_token_loss(model, inputs, inputs)
                 with phase("backward", "backward"):
                     (loss / training.grad_accum_steps).backward()
+            maxima = clip.agreed_maxima(device) if clip is not None else None
             with phase("optimizer", "optimizer"):
                 ledger.name_state("gradients", [p.grad for p in _local_parameters(model)])
                 hook.europa_clip_gradients(job=job, model=model, max_norm=training.max_grad_norm)
                 update_expert_bias(model)
                 job.optimizer.step()
+                if maxima is not None and initialiser is not None:  # fake maxima: no values
+                    factors = clip.row_factors(maxima)
+                    hook.europa_scale_rows(job=job, model=model, factors=factors)
                 ledger.name_state("optimizer_state", _optimizer_tensors(job.optimizer))
                 job.optimizer.zero_grad(set_to_none=True)
 
-    error, pipeline = None, None
+    error, pipeline, clip = None, None, None
     try:
         with ledger, traffic:
             with phase("setup", "assemble"):
@@ -204,6 +210,9 @@ def run_step_program(
                 init_matrix = initialiser(model) if initialiser else _no_values
                 model = place_model(job, manager, model, init_matrix)
                 model.train()
+                if job.config.optimizer.qk_clip:
+                    optimizer = job.config.optimizer
+                    clip = QKClip(model, job.config.model.n_layers, optimizer.qk_clip_tau)
                 if stage_names is not None:
                     from europa.core.pipeline.runner import PipelineRun
 

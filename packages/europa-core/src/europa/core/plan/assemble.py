@@ -27,6 +27,8 @@ from europa.core.plan.record import STAGING, Plan
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.timing import (
     LAYOUT_OVERLAPPED,
+    clip_maxima,
+    logit_max_flops,
     model_flops_per_token,
     rank_compute,
     transfers,
@@ -91,6 +93,7 @@ class StageScope:
     # (None: one micro-batch's, as without stages).
     held_device: int | None = None
     held_host: int | None = None
+    run_world_size: int = 0  # the whole run's ranks (QK-clip's maxima are reduced over all)
 
     @property
     def layer_indices(self) -> tuple[int, ...]:
@@ -185,6 +188,7 @@ def assemble(
         kept_blocks=kept_gathered,
         root_kept=scope is None,  # a stage's root parts are gathered again for backward
         rails=hardware.device == "cuda",  # NCCL's ring a rail, a network link a GPU
+        clip_maxima=clip_maxima(config, scope.run_world_size if scope else world_size),
     )
     traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
@@ -222,6 +226,7 @@ def assemble(
         state_bytes=state.totals()[rank],
         layers=None if scope is None else scope.layer_indices,
         head=scope is None or scope.head,
+        maxima_flops=logit_max_flops(config, hardware, layers),
     )
 
     def priced(overlapped_kinds: tuple[str, ...]) -> StepTime:

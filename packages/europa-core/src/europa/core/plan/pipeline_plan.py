@@ -93,6 +93,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
             head=any(h in modules for h in HEAD),
             held_device=round(held_device.peak_held[r]),
             held_host=round(held_host.peak_held[r]),
+            run_world_size=world_size,
         )
         plans[r] = assemble(alone, hardware, data_ranks, mesh, shapes_of[r], plugin_plans[r],
                             per_node, scope)  # fmt: skip

@@ -29,11 +29,18 @@ from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE, HardwarePr
 from europa.core.plan.plan_record import compute_record
 from europa.core.plan.shapes import ModelShapes
 from europa.core.plan.traffic import HOST, Traffic
+from europa.plan.compute_time import attention_flops_seconds, state_pass_seconds
 from europa.plan.compute_time import rank_compute as rank_compute_terms
-from europa.plan.compute_time import state_pass_seconds
-from europa.plan.exposure import Compute, Transfer, flat_compute, kernel_compute
+from europa.plan.exposure import (
+    Compute,
+    Transfer,
+    flat_compute,
+    kernel_compute,
+    with_forward_work,
+)
 from europa.plan.stages import RankStage
 from europa.spec.plan_layout import LAST_BACKWARD
+from europa.spec.qk_clip import maxima_bytes
 
 LAYOUT_OVERLAPPED = (
     "parameter_gather",
@@ -68,6 +75,24 @@ def model_flops_per_token(
     return 6 * matmul_parameters_per_token(shapes, m) + attention
 
 
+def logit_max_flops(config: EuropaConfig, hardware: HardwareProfile, layers: int) -> float:
+    """QK-clip's maxima, one micro-batch of ``layers`` layers: with a fused attention kernel
+    (a GPU), the causal scores computed again beside it, forward only (a recomputation does
+    not record); with block-causal attention (a CPU), nothing (the kernel's own scores)."""
+    if not config.optimizer.qk_clip or hardware.attention_kernel == "block_causal":
+        return 0.0
+    m, t = config.model, config.training
+    qk = m.qk_nope_head_dim + m.qk_rope_head_dim
+    return 2.0 * t.batch_size * m.n_heads * qk * t.seq_len * t.seq_len / 2 * layers
+
+
+def clip_maxima(config: EuropaConfig, ranks: int) -> tuple[int, int]:
+    """QK-clip's maxima: their bytes and the ranks that reduce them (``step_traffic``)."""
+    if not config.optimizer.qk_clip:
+        return (0, 1)
+    return (maxima_bytes(config.model.n_layers, config.model.n_heads), ranks)
+
+
 def rank_compute(
     config: EuropaConfig,
     hardware: HardwareProfile,
@@ -78,13 +103,16 @@ def rank_compute(
     state_bytes: int,
     layers: tuple[int, ...] | None = None,
     head: bool = True,
+    maxima_flops: float = 0.0,
 ) -> Compute:
     """One rank's compute for a step: europa-plan's kernel model, fitted on published
     runs, where ``hardware`` names its GPU and the run trains in bfloat16, and its
     optimizer step, the rank's ``state_bytes`` (parameters, gradients, optimizer state)
     read and written once; else the step's FLOPs at the profile's one rate (a CPU's
     measured one, a profile of the user's own, float32 training), the optimizer step not
-    priced. ``layers`` (indices) and ``head``: a pipeline rank's share."""
+    priced. ``layers`` (indices) and ``head``: a pipeline rank's share. ``maxima_flops``:
+    QK-clip's maxima a micro-batch (``logit_max_flops``), forward work beside the model's,
+    at the fitted attention efficiency (or the profile's rate)."""
     training = config.training
     micro = training.grad_accum_steps
     if hardware.fitted_gpu and training.dtype == "bfloat16":
@@ -94,11 +122,13 @@ def rank_compute(
         eff = run.gpu.efficiencies
         how = f"europa-plan's {eff.id} fit, kernel by kernel ({eff.fitted})"
         optimizer = state_pass_seconds(2 * state_bytes, run.gpu)
-        return kernel_compute(rank_compute_terms(run, stage), micro, how, optimizer)
+        compute = kernel_compute(rank_compute_terms(run, stage), micro, how, optimizer)
+        maxima_s = attention_flops_seconds(maxima_flops, run.gpu)
+        return with_forward_work(compute, maxima_s, micro, "QK-clip's maxima beside SDPA")
     why = "not fitted" if hardware.fitted_gpu else "the profile's"
     return flat_compute(
         model_flops=model_flops,
-        hardware_flops=hardware_flops,
+        hardware_flops=hardware_flops + maxima_flops * micro,
         peak_flops=hardware.peak_flops(training.dtype),
         efficiency=hardware.matmul_efficiency,
         micro_batches=micro,

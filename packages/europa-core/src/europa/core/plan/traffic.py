@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.plan.links import ring_network_share
 from europa.spec.plan_layout import ROOT_UNIT, STEP
+from europa.spec.qk_clip import MAXIMA_TRAFFIC
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
 
@@ -63,6 +64,7 @@ COLLECTIVE = {
     "gradient_replica_all_reduce": "all_reduce",
     "expert_gradient_all_reduce": "all_reduce",
     EXCHANGE_KIND: "all_to_all",
+    MAXIMA_TRAFFIC: "all_reduce",
 }
 
 
@@ -126,6 +128,7 @@ def step_traffic(
     root_kept: bool = True,
     rails: bool = False,
     rank: int | None = None,
+    clip_maxima: tuple[int, int] = (0, 1),
 ) -> list[Traffic]:
     """``kept_blocks``: the blocks that keep their gathered parameters from forward to
     backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch.
@@ -135,7 +138,10 @@ def step_traffic(
     ``rails``: a network link a GPU, each ring collective across nodes split over it and
     NVLink (``ring_links``).
     ``rank``: the rank of the gather group whose bytes to count where they differ by rank
-    (direct transfers); default: the one that sends most."""
+    (direct transfers); default: the one that sends most.
+    ``clip_maxima``: QK-clip's maxima (bytes, and the ranks of the run that reduce them
+    with one MAX, every stage's included), after the backward and before the optimizer
+    step."""
     group = layout["gather_group_size"]
     shard_links = ring_links(group, 1, gpus_per_node, rails)
     # Blocks are gathered for forward and again for backward, unless kept between the
@@ -209,6 +215,12 @@ def step_traffic(
         ),
         *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
         *ring("optimizer_step", step_gather, (group, 1), overlappable=False),
+        *ring(
+            MAXIMA_TRAFFIC,
+            2 * clip_maxima[0] * ring_share(clip_maxima[1]),
+            (clip_maxima[1], 1),
+            overlappable=False,
+        ),
         # Offloaded activations go out once and come back once a micro-batch; offloaded
         # optimizer state once each way a step. The same bytes each way, at each way's rate.
         *(

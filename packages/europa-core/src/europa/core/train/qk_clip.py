@@ -19,8 +19,17 @@ from torchtitan.models.deepseek_v3.model import Attention
 
 from europa.core.model.logit_max import LogitMax, arm
 from europa.spec.metrics import QK_HEADS_CLIPPED, QK_LOGIT_MAX
-from europa.spec.qk_clip import KEY_VALUE, QUERY, MLAHeads, clip_gammas, row_factors, scale_rows_
+from europa.spec.qk_clip import (
+    KEY_VALUE,
+    MAXIMA_TRAFFIC,
+    QUERY,
+    MLAHeads,
+    clip_gammas,
+    row_factors,
+    scale_rows_,
+)
 from europa.spec.replicas import ReplicaGroups
+from europa.spec.tags import mark_traffic
 
 
 def _layer_index(module_name: str) -> int:
@@ -62,6 +71,7 @@ class QKClip:
             maxima[layer] = recorder.read()
             recorder.reset()
         maxima = maxima.to(device)
+        mark_traffic(maxima, MAXIMA_TRAFFIC)
         if dist.is_initialized():
             dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
         if replicas is not None:
