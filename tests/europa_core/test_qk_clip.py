@@ -10,11 +10,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from europa.core.model import logit_max
 from europa.core.model.attention import rotate
-from europa.core.model.logit_max import LogitMax, arm, causal_score_max
-from europa.core.train.qk_clip import scale_held_rows
+from europa.spec import logit_max
+from europa.spec.logit_max import LogitMax, arm, causal_score_max
 from europa.spec.qk_clip import KEY_VALUE, QUERY, MLAHeads, clip_gammas, row_factors
+from europa.spec.qk_clip_step import scale_held_rows
 from tests.europa_core.test_mla import _attention
 
 
@@ -186,6 +186,21 @@ def test_the_max_beside_sdpa_is_the_block_kernels(monkeypatch):
     torch.testing.assert_close(into.read().double(), scores.amax(dim=(0, 2, 3)))
 
 
-def test_an_attention_that_records_nothing_is_refused():
-    with pytest.raises(ValueError, match="records no logit maxima"):
-        arm(torch.nn.Linear(2, 2), 1)
+def test_an_sdpa_armed_beside_records_in_training_forwards_only():
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    sdpa = ScaledDotProductAttention(None)
+    into = arm(sdpa, 3)
+    generator = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 9, 3, 4, generator=generator, requires_grad=True) for _ in "qkv")
+    out = torch.utils.checkpoint.checkpoint(sdpa, q, k, v, scale=0.3, use_reentrant=False)
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 0.3
+    scores = scores.masked_fill(torch.ones(9, 9, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(into.read().double(), scores.detach().amax(dim=(0, 2, 3)))
+    into.reset()
+    out.sum().backward()  # the recomputation inside backward records nothing
+    assert into.value is None
+    sdpa.eval()
+    sdpa(q, k, v, scale=0.3)
+    assert into.value is None
+    assert arm(sdpa, 3) is sdpa.logit_max and len(sdpa._forward_pre_hooks) == 1  # once

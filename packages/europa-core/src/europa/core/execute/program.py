@@ -152,7 +152,7 @@ def run_step_program(
     from europa.core.pipeline.split import keep_rank_stages
     from europa.core.train.assemble import build_optimizer, place_model
     from europa.core.train.loop import logits_loss, next_token_loss
-    from europa.core.train.qk_clip import QKClip
+    from europa.spec.qk_clip_step import QKClip
 
     ledger = ledger or MemoryLedger(device_type=job.device.type)
     hook, training, device = manager.hook, job.config.training, job.device

@@ -16,7 +16,7 @@ a zero-filled whole-size gradient per block.
 Same interface as torchtitan's ``ScaledDotProductAttention``: (B, L, N, H)
 tensors in and out, causal only; and ``mla``, the same attention from MLA's parts
 before they are concatenated (``europa.core.model.mla``). Armed for QK-clip
-(``europa.core.model.logit_max``), a training forward records each head's largest
+(``europa.spec.logit_max``), a training forward records each head's largest
 score from the blocks it computes.
 """
 
@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 from torchtitan.protocols.module import Module
 
-from europa.core.model.logit_max import recorder
+from europa.spec.logit_max import recorder
 
 DEFAULT_CHUNKS = 4
 
@@ -245,7 +245,7 @@ class _BlockCausalMLA(torch.autograd.Function):
 
 
 class BlockCausalAttention(Module):
-    records_logit_max = True  # QK-clip can arm it (europa.core.model.logit_max)
+    records_logit_max = True  # QK-clip's maxima from its own scores (europa.spec.logit_max)
 
     @dataclass(kw_only=True, slots=True)
     class Config(Module.Config):

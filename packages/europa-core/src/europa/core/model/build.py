@@ -16,13 +16,13 @@ import dataclasses
 
 import torch
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.deepseek_v3 import DeepSeekV3Model, build_mla_moe_layers
 
 from europa.core.config.schema import ModelConfig
 from europa.core.model import init
 from europa.core.model.attention import BlockCausalAttention
 from europa.core.model.experts import NativeDtypeGroupedExperts
-from europa.core.model.logit_max import MaxRecordingSDPA
 from europa.core.model.mla import BlockCausalMLA
 
 
@@ -44,8 +44,8 @@ ATTENTION_KINDS = ("sdpa", "block_causal")
 
 
 def _inner_attention(kind: str):
-    if kind == "sdpa":  # torchtitan's SDPA, which records logit maxima when armed (QK-clip)
-        return MaxRecordingSDPA.Config()
+    if kind == "sdpa":
+        return ScaledDotProductAttention.Config()
     if kind == "block_causal":
         return BlockCausalAttention.Config()
     raise ValueError(f"attention = {kind!r}: expected one of {', '.join(ATTENTION_KINDS)}")

@@ -55,7 +55,6 @@ from europa.core.train.assemble import build_optimizer, place_model
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.evaluate import validation_metrics
 from europa.core.train.nonfinite import SkippedSteps
-from europa.core.train.qk_clip import QKClip
 from europa.core.train.resources import check_fits
 from europa.core.train.schedule import build_scheduler
 from europa.core.train.stop import StopRequest
@@ -68,6 +67,7 @@ from europa.spec.metrics import (
     REPLICAS,
     STATE_DIGEST,
 )
+from europa.spec.qk_clip_step import QKClip
 from europa.spec.replicas import LAYOUT_SUMS_REPLICAS, REPLICA_GROUPS
 
 

@@ -122,7 +122,7 @@ def europa_clip_gradients(job: RunningJob, model: torch.nn.Module, max_norm: flo
 def europa_scale_rows(
     job: RunningJob, model: torch.nn.Module, factors: dict[str, torch.Tensor]
 ) -> int:
-    from europa.core.train.qk_clip import scale_held_rows
+    from europa.spec.qk_clip_step import scale_held_rows
 
     return scale_held_rows(model, factors)
 

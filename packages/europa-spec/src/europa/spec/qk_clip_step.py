@@ -1,13 +1,22 @@
-"""QK-clip in europa's trainer (Kimi-K2's MuonClip; the arithmetic: ``europa.spec.qk_clip``).
+"""QK-clip once a step, in any trainer (europa's, or torchtitan's through an adapter): arm
+the attentions, agree on the maxima, turn them into row factors, report them. The
+arithmetic is ``europa.spec.qk_clip``'s, the recording ``europa.spec.logit_max``'s.
 
 Each step: the armed attentions record their heads' largest logits in the training
-forwards (``europa.core.model.logit_max``); before the vote, ``agreed_maxima`` packs them
-into one (layers, heads) float32 tensor and takes one MAX over the run's ranks (each
-stage fills its own layers, -inf elsewhere, so every stage gets its own layers' maxima
-and rank 0 the whole model's for ``metrics.jsonl``) and, with fault tolerance, one more
-over the replica groups; after the optimizer step ``row_factors`` turns the maxima into
-the factors of the query and key rows of each held layer with a clipped head, which the
-layout (``europa_scale_rows``) applies to the rows it holds.
+forwards; before the optimizer step (and before a fault-tolerant vote, where torchft's
+collectives end) ``agreed_maxima`` packs them into one (layers, heads) float32 tensor and
+takes one MAX over the ranks of ``group`` (default: every rank; each pipeline stage fills
+its own layers and -inf elsewhere, so every stage gets its own layers' maxima and rank 0
+the whole model's) and, with fault tolerance, one more over the replica groups. After the
+optimizer step ``row_factors`` turns them into the factors of the query and key rows of
+each held layer with a clipped head, which the layout applies to the rows it holds
+(``scale_held_rows`` for plain and DTensor parameters; a layout with its own storage
+applies them itself).
+
+An attention is found by its attributes, as torchtitan's DeepSeek-V3 MLA has them
+(``n_heads``, ``q_lora_rank``, ``qk_nope_head_dim``, ``qk_rope_head_dim``, ``v_head_dim``,
+``wkv_b``, ``inner_attention``), at ``layers.<i>`` of the model (wrappers' names between
+are allowed: torchtitan's checkpoint wrapper, torch.compile's).
 """
 
 from __future__ import annotations
@@ -15,9 +24,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torchtitan.models.deepseek_v3.model import Attention
 
-from europa.core.model.logit_max import LogitMax, arm
+from europa.spec.logit_max import LogitMax, arm
 from europa.spec.metrics import QK_HEADS_CLIPPED, QK_LOGIT_MAX
 from europa.spec.qk_clip import (
     KEY_VALUE,
@@ -31,41 +39,55 @@ from europa.spec.qk_clip import (
 from europa.spec.replicas import ReplicaGroups
 from europa.spec.tags import mark_traffic
 
+MLA_ATTRIBUTES = ("n_heads", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                  "v_head_dim", "wkv_b", "inner_attention")  # fmt: skip
 
-def _layer_index(module_name: str) -> int:
-    """``layers.3.attention`` → 3."""
+
+def is_mla(module: torch.nn.Module) -> bool:
+    return all(hasattr(module, a) for a in MLA_ATTRIBUTES)
+
+
+def layer_index(module_name: str) -> int:
+    """``layers.3.attention`` (or ``layers.3._checkpoint_wrapped_module.attention``) → 3."""
     parts = module_name.split(".")
-    if len(parts) != 3 or parts[0] != "layers" or parts[2] != "attention":
+    if len(parts) < 3 or parts[0] != "layers" or parts[-1] != "attention":
         raise ValueError(f"QK-clip: attention at {module_name!r}; expected layers.<i>.attention")
     return int(parts[1])
 
 
 class QKClip:
+    """The clip of ``model``'s MLA attentions (a pipeline stage: the layers it holds) at
+    ``tau``; ``n_layers``: the whole model's."""
+
     def __init__(self, model: torch.nn.Module, n_layers: int, tau: float) -> None:
         self.n_layers, self.tau = n_layers, tau
         self.layers: dict[int, tuple[LogitMax, str, str]] = {}
         heads = None
         for name, module in model.named_modules():
-            if not isinstance(module, Attention):
+            if not is_mla(module):
                 continue
             heads = MLAHeads(module.n_heads, module.qk_nope_head_dim,
                              module.qk_rope_head_dim, module.v_head_dim)  # fmt: skip
             query = "wq" if module.q_lora_rank == 0 else "wq_b"
             recorder = arm(module.inner_attention, module.n_heads)
-            self.layers[_layer_index(name)] = (
+            prefix = f"{name}." if name else ""
+            self.layers[layer_index(name)] = (
                 recorder,
-                f"{name}.{query}.weight",
-                f"{name}.wkv_b.weight",
+                f"{prefix}{query}.weight",
+                f"{prefix}wkv_b.weight",
             )
         self.heads = heads
         if heads is None:
             raise ValueError("QK-clip: the model holds no MLA attention")
 
     def agreed_maxima(
-        self, device: torch.device, replicas: ReplicaGroups | None = None
+        self,
+        device: torch.device,
+        replicas: ReplicaGroups | None = None,
+        group: dist.ProcessGroup | None = None,
     ) -> torch.Tensor:
-        """Every layer's heads' largest logits this step, the same on every rank (a
-        collective); the recorders start again."""
+        """Every layer's heads' largest logits this step, the same on every rank of
+        ``group`` and every replica (a collective); the recorders start again."""
         maxima = torch.full((self.n_layers, self.heads.n_heads), float("-inf"))
         for layer, (recorder, _, _) in self.layers.items():
             maxima[layer] = recorder.read()
@@ -73,7 +95,7 @@ class QKClip:
         maxima = maxima.to(device)
         mark_traffic(maxima, MAXIMA_TRAFFIC)
         if dist.is_initialized():
-            dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+            dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group)
         if replicas is not None:
             replicas.maximum(maxima)
         return maxima.cpu()
@@ -99,8 +121,8 @@ class QKClip:
 
 
 def scale_held_rows(model: torch.nn.Module, factors: dict[str, torch.Tensor]) -> int:
-    """Core's layouts: plain parameters (every row) and DTensors (the local shard's rows,
-    from its global offset)."""
+    """Plain parameters (every row) and DTensors (the local shard's rows, from its global
+    offset: FSDP2, HSDP)."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     params = dict(model.named_parameters())
@@ -116,3 +138,6 @@ def scale_held_rows(model: torch.nn.Module, factors: dict[str, torch.Tensor]) ->
             else:
                 scaled += scale_rows_(param, factor, 0)
     return scaled
+
+
+__all__ = ["MLA_ATTRIBUTES", "QKClip", "is_mla", "layer_index", "scale_held_rows"]

@@ -1,0 +1,96 @@
+"""Each head's largest pre-softmax logit over a step's training forwards, for QK-clip
+(``europa.spec.qk_clip``), beside any causal attention: torch only, so europa's trainer
+and the torchtitan adapters arm attentions alike.
+
+An inner attention module (torchtitan's convention: ``forward(q, k, v, *, scale=...)``
+with (batch, sequence, heads, dim) tensors, causal) records only when armed (``arm``: a
+``LogitMax`` in its ``logit_max`` attribute) and the forward is a training forward: the
+module in training mode, gradients on, and not inside backward, so an
+activation-checkpointing recomputation does not record again and evaluation
+(``model.eval()``, ``torch.no_grad()``) never does.
+
+A kernel that computes the scores itself (``records_logit_max = True`` on its class, as
+europa-core's block-causal attention) records from them. Any other (SDPA, whose fused
+kernels return no maximum) gets a forward pre-hook that computes the causal scores again,
+without gradients, a block of query rows at a time, so that no whole sequence × sequence
+matrix per head exists.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# The elements of one block of scores computed beside a fused kernel: 16 Mi (32 MiB in bf16).
+SCORE_BLOCK_ELEMENTS = 1 << 24
+
+
+class LogitMax:
+    """One attention's maxima: a float32 (n_heads,) tensor, -inf until a forward records."""
+
+    def __init__(self, n_heads: int) -> None:
+        self.n_heads = n_heads
+        self.value: torch.Tensor | None = None
+
+    def reset(self) -> None:
+        self.value = None
+
+    def read(self) -> torch.Tensor:
+        if self.value is None:
+            return torch.full((self.n_heads,), float("-inf"))
+        return self.value.detach().float().cpu()
+
+    def observe(self, scores: torch.Tensor, batch: int) -> None:
+        """``scores``: head-major (batch · n_heads, rows, keys), masked entries -inf."""
+        per_head = scores.detach().amax(dim=(1, 2)).view(batch, self.n_heads).amax(0)
+        self.value = per_head if self.value is None else torch.maximum(self.value, per_head)
+
+
+def recorder(inner_attention: torch.nn.Module) -> LogitMax | None:
+    """The armed ``LogitMax`` of ``inner_attention`` if this forward is one to record."""
+    armed = getattr(inner_attention, "logit_max", None)
+    if armed is None or not inner_attention.training or not torch.is_grad_enabled():
+        return None
+    if torch._C._current_graph_task_id() != -1:  # inside backward: a recomputation
+        return None
+    return armed
+
+
+@torch.no_grad()
+def causal_score_max(q_BLNH, k_BLNH, scale: float, into: LogitMax) -> None:
+    """Record the causal scores' maxima of (B, L, N, H) queries and keys, in blocks of rows."""
+    batch, seq_len, heads, _ = q_BLNH.shape
+    q, k = q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2)  # (B, N, L, H)
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * seq_len))
+    for start in range(0, seq_len, rows):
+        end = min(seq_len, start + rows)
+        scores = torch.matmul(q[:, :, start:end], k[:, :, :end].mT).mul_(scale)
+        later = torch.arange(end, device=q.device) > torch.arange(
+            start, end, device=q.device
+        ).unsqueeze(1)
+        scores.masked_fill_(later, float("-inf"))
+        into.observe(scores.flatten(0, 1), batch)
+
+
+def _beside(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    """The pre-hook: the maxima of the queries and keys the attention is about to take."""
+    into = recorder(module)
+    if into is None:
+        return
+    if kwargs.get("attention_masks") is not None or not kwargs.get("is_causal", True):
+        raise ValueError("QK-clip records the maxima of plain causal attention only")
+    q, k = args[0], args[1]
+    scale = kwargs.get("scale")
+    causal_score_max(q, k, q.size(-1) ** -0.5 if scale is None else scale, into)
+
+
+def arm(inner_attention: torch.nn.Module, n_heads: int) -> LogitMax:
+    """Make ``inner_attention``'s training forwards record their heads' maxima."""
+    inner_attention.logit_max = LogitMax(n_heads)
+    computes_scores = getattr(type(inner_attention), "records_logit_max", False)
+    if not computes_scores and getattr(inner_attention, "_logit_max_hook", None) is None:
+        hook = inner_attention.register_forward_pre_hook(_beside, with_kwargs=True)
+        inner_attention._logit_max_hook = hook
+    return inner_attention.logit_max
+
+
+__all__ = ["SCORE_BLOCK_ELEMENTS", "LogitMax", "arm", "causal_score_max", "recorder"]
