@@ -76,6 +76,7 @@ from europa.flexshard.optimizer import FlexShardOptimizer
 from europa.flexshard.process_groups import dispatch_of
 from europa.flexshard.state import HYPERPARAMETERS, FlexShardState
 from europa.flexshard.whole_matrix_layout import FlexShardLayout
+from europa.spec.qk_clip_step import install_qk_clip
 
 _RECORD = "_europa_flexshard"
 
@@ -93,6 +94,7 @@ class FlexShardOptions:
     dispatch: str = "auto"
     dispatch_dtype: str = "compute"
     seed: int = 0
+    qk_clip_tau: float = 0.0
 
 
 @dataclass
@@ -134,12 +136,18 @@ def flexshard_config(
     ns_steps: int = 5,
     dispatch: str = "auto",
     dispatch_dtype: str = "compute",
+    qk_clip_tau: float = 0.0,
 ) -> FlexShardTrainer.Config:
     """``config`` laid out by europa-flexshard instead of FSDP2: its ``build()`` makes a
     ``FlexShardTrainer``. ``ranks_per_node``: default the launcher's ``LOCAL_WORLD_SIZE``.
     ``algorithm``: "adamw" (the hyperparameters of ``config.optimizer``'s one group) or
-    "muon" (AdamW's for embeddings, norms, router and head; ``momentum``, ``ns_steps``)."""
+    "muon" (AdamW's for embeddings, norms, router and head; ``momentum``, ``ns_steps``).
+    ``qk_clip_tau`` > 0: Kimi-K2's QK-clip at that tau (``europa.spec.qk_clip_step``): the
+    maxima agreed after clipping, outside ``step()``, and the owners' rows scaled after it,
+    which sends nothing."""
     refuse_misfits(config)
+    if qk_clip_tau < 0 or qk_clip_tau != qk_clip_tau:
+        raise FlexShardError(f"qk_clip_tau = {qk_clip_tau!r}: expected 0 (off) or a number > 0")
     _refuse_choice("algorithm", algorithm, ("adamw", "muon"))
     _refuse_choice("dispatch", dispatch, ("auto", "flat", "two_level"))
     per_node = ranks_per_node or launcher_ranks_per_node(_world_size())
@@ -149,6 +157,7 @@ def flexshard_config(
         dispatch=dispatch,
         dispatch_dtype=dispatch_dtype,
         seed=config.debug.seed or 0,
+        qk_clip_tau=qk_clip_tau,
     )
     spec = config.model_spec
     model = spec.model
@@ -548,6 +557,17 @@ class FlexShardOptimizers(OptimizersContainer):
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self._validate_params(params)
         self._post_init(params)
+        record = flexshard_record(model_parts[0])
+        self.qk_clip = None
+        if record.options.qk_clip_tau:
+            self.qk_clip = install_qk_clip(
+                self,
+                model_parts[0],
+                n_layers=len(model_parts[0].layers),
+                tau=record.options.qk_clip_tau,
+                scale=self.layout.scale_rows,
+                before_step=record.after_clipping.append,
+            )
 
     def state_dict(self) -> dict[str, Any]:
         optim = FlexShardState(self.layout, self.optimizer).optimizer_state()

@@ -21,6 +21,8 @@ are allowed: torchtitan's checkpoint wrapper, torch.compile's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -77,6 +79,7 @@ class QKClip:
                 f"{prefix}wkv_b.weight",
             )
         self.heads = heads
+        self.last_metrics: dict = {}
         if heads is None:
             raise ValueError("QK-clip: the model holds no MLA attention")
 
@@ -140,4 +143,49 @@ def scale_held_rows(model: torch.nn.Module, factors: dict[str, torch.Tensor]) ->
     return scaled
 
 
-__all__ = ["MLA_ATTRIBUTES", "QKClip", "is_mla", "layer_index", "scale_held_rows"]
+def install_qk_clip(
+    optimizer: torch.optim.Optimizer,
+    model: torch.nn.Module,
+    *,
+    n_layers: int,
+    tau: float,
+    scale: Callable[[dict[str, torch.Tensor]], object] | None = None,
+    before_step: Callable[[Callable[[], None]], object] | None = None,
+    group: dist.ProcessGroup | None = None,
+) -> QKClip:
+    """QK-clip around ``optimizer``'s steps, for a trainer that is not europa's (torchtitan's
+    ``OptimizersContainer`` is a torch optimizer): the maxima are agreed before each step
+    (``before_step(fn)`` registers ``fn`` to run then; default: a step pre-hook) and the
+    rows scaled after it (a step post-hook) by ``scale(factors)`` (default:
+    ``scale_held_rows`` on ``model``: plain and DTensor parameters). Each step's metrics
+    are left in the returned clip's ``last_metrics``."""
+    clip = QKClip(model, n_layers, tau)
+    device = next(model.parameters()).device
+    agreed: list[torch.Tensor] = []
+
+    def agree() -> None:
+        agreed[:] = [clip.agreed_maxima(device, group=group)]
+
+    def rescale(*_: object) -> None:
+        maxima = agreed.pop()
+        factors = clip.row_factors(maxima)
+        if factors:
+            (scale or (lambda f: scale_held_rows(model, f)))(factors)
+        clip.last_metrics = clip.metrics(maxima, applied=True)
+
+    if before_step is None:
+        optimizer.register_step_pre_hook(lambda *_: agree())
+    else:
+        before_step(agree)
+    optimizer.register_step_post_hook(rescale)
+    return clip
+
+
+__all__ = [
+    "MLA_ATTRIBUTES",
+    "QKClip",
+    "install_qk_clip",
+    "is_mla",
+    "layer_index",
+    "scale_held_rows",
+]
