@@ -131,10 +131,17 @@ def test_once_a_step_sums_overlap_only_the_last_backward_and_the_roots_follows_i
     assert replica.window == copies.window == "last_backward"
     assert 0 < replica.tail_bytes < replica.bytes_per_step and copies.tail_bytes == 0
     seconds = once.with_overlap.link_s
-    inter = sum(s for (kind, link), s in seconds.items() if link == "inter_node")
+    # QK-clip's maxima (kimi-k2 has it on) are reduced after the backward, beside nothing.
+    maxima = sum(s for (kind, _), s in seconds.items() if kind == "qk_clip_maxima")
+    assert maxima > 0
+    inter = sum(
+        s
+        for (kind, link), s in seconds.items()
+        if link == "inter_node" and kind != "qk_clip_maxima"
+    )
     compute = once.with_overlap.compute_s
     # One micro-batch: the network's whole load past the compute is what shows.
-    assert once.with_overlap.exposed_s == pytest.approx(inter - compute, rel=1e-9)
+    assert once.with_overlap.exposed_s == pytest.approx(inter - compute + maxima, rel=1e-12)
     assert (
         once.with_overlap.exposed_s
         < seconds[replica.kind, replica.link] + seconds[copies.kind, copies.link]
