@@ -140,6 +140,7 @@ def test_config_show_file_then_set(capsys, tmp_path):
 
 # -- bad input: exit 2, one line on stderr, never a traceback ---------------------------------
 
+FT = ("fault_tolerance.enabled=true", "parallel.dp_replicate=2")
 BAD = [
     (["train", "--bogus"], "No such option: --bogus"),
     (["bogus"], "No such command 'bogus'."),
@@ -186,6 +187,48 @@ BAD = [
         ["train", "--set", "optimizer.qk_clip=true"],
         'optimizer.qk_clip = true: expected false with optimizer.name = "adamw" (QK-clip is '
         'MuonClip\'s: it needs optimizer.name = "muon")',
+    ),
+    *[
+        (["train", *(f"--set={s}" for s in FT), *argv], message)
+        for argv, message in [
+            (
+                ["--set", "fault_tolerance.min_replicas=3"],
+                "fault_tolerance.min_replicas = 3: expected at most parallel.dp_replicate (2)",
+            ),
+            (
+                ["--set", 'fault_tolerance.lighthouse="not a url"'],
+                'fault_tolerance.lighthouse = "not a url": expected http://host:port, or '
+                "empty for one on 127.0.0.1",
+            ),
+            (
+                ["--set", 'fault_tolerance.lighthouse="http://127.0.0.1:port"'],
+                'fault_tolerance.lighthouse = "http://127.0.0.1:port": expected '
+                "http://host:port, or empty for one on 127.0.0.1",
+            ),
+            (
+                ["--nproc", "3"],
+                "--nproc = 3: expected a multiple of parallel.dp_replicate (2), the replica "
+                "groups sharing this machine's ranks",
+            ),
+            (
+                ["--replica-group", "2", "--run-dir", "runs/group"],
+                "--replica-group = 2: expected 0 to 1 (parallel.dp_replicate = 2)",
+            ),
+            (
+                ["--set", "fault_tolerance.join_timeout_s=30"],
+                "fault_tolerance.join_timeout_s = 30.0: expected more than "
+                "fault_tolerance.step_timeout_s (60.0)",
+            ),
+            (
+                ["--set", "parallel.dp_replicate=1"],
+                "parallel.dp_replicate = 1: expected 2 or more replica groups with "
+                "fault_tolerance.enabled",
+            ),
+        ]
+    ],
+    (
+        ["lighthouse", "--heartbeat-timeout-s", "100"],
+        "--join-timeout-s = 90.0: expected more than --heartbeat-timeout-s (100.0)",
     ),
     (["train", "--resume"], None),
     (["train", "--nproc", "0"], None),

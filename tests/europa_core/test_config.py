@@ -31,7 +31,6 @@ from europa.core.config import (
     setting,
 )
 from europa.core.config.fields import bounds_of
-from europa.core.config.rules import TIMEOUT_LADDER
 from europa.core.errors import ConfigError
 
 PRESETS = ["debug", "kimi-k2", "small", "tiny"]
@@ -81,6 +80,9 @@ COUPLED = {
     "fault_tolerance.step_timeout_s",
     "fault_tolerance.join_timeout_s",
     "fault_tolerance.quorum_timeout_s",
+    "fault_tolerance.heartbeat_timeout_s",
+    "fault_tolerance.quorum_tick_s",
+    "fault_tolerance.lighthouse",
 }
 INT64 = 2**63 - 1
 
@@ -187,13 +189,23 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         replicas = draw(st.integers(1, 64))
         out["parallel.dp_replicate"] = replicas
         if replicas > 1 and draw(st.booleans()):
-            ladder = sorted(draw(st.sets(st.integers(1, 10**6), min_size=4, max_size=4)))
+            rungs = st.sets(st.integers(1, 10**6), min_size=2, max_size=2)
+            collective, step = sorted(draw(rungs))
+            tick, heartbeat = sorted(draw(rungs))
+            join, quorum = (max(step, heartbeat) + rise for rise in sorted(draw(rungs)))
+            port = draw(st.integers(1, 65535))
             out |= {
                 "fault_tolerance.enabled": True,
                 "fault_tolerance.min_replicas": draw(st.integers(1, replicas)),
+                "fault_tolerance.lighthouse": draw(st.sampled_from(["", f"http://node7:{port}"])),
                 "parallel.pp": 1,
                 "plugins.enabled": [],
-                **{f"fault_tolerance.{k}": v for k, v in zip(TIMEOUT_LADDER, ladder, strict=True)},
+                "fault_tolerance.process_group_timeout_s": collective,
+                "fault_tolerance.step_timeout_s": step,
+                "fault_tolerance.quorum_tick_s": tick,
+                "fault_tolerance.heartbeat_timeout_s": heartbeat,
+                "fault_tolerance.join_timeout_s": join,
+                "fault_tolerance.quorum_timeout_s": quorum,
             }
     if draw(st.booleans()):  # QK-clip needs Muon
         out["optimizer.name"] = draw(st.sampled_from(["adamw", "muon"]))

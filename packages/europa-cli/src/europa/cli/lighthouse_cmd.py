@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import signal
 import sys
 import threading
 from typing import Annotated
 
 import typer
+
+from europa.core.config.rules import TIMEOUT_LADDERS
+from europa.core.config.schema import FaultToleranceConfig
+from europa.core.errors import LaunchError
+
+DEFAULTS = FaultToleranceConfig()
 
 
 def register(app: typer.Typer) -> None:
@@ -32,16 +39,49 @@ def register(app: typer.Typer) -> None:
                 help="How long a quorum waits for a live group that has not asked yet "
                 "(fault_tolerance.join_timeout_s).",
             ),
-        ] = 90.0,
+        ] = DEFAULTS.join_timeout_s,
+        heartbeat_timeout_s: Annotated[
+            float,
+            typer.Option(
+                "--heartbeat-timeout-s",
+                min=0,
+                help="A group silent this long leaves the next quorum "
+                "(fault_tolerance.heartbeat_timeout_s).",
+            ),
+        ] = DEFAULTS.heartbeat_timeout_s,
+        quorum_tick_s: Annotated[
+            float,
+            typer.Option(
+                "--quorum-tick-s",
+                min=0,
+                help="How often a quorum is looked for (fault_tolerance.quorum_tick_s).",
+            ),
+        ] = DEFAULTS.quorum_tick_s,
     ) -> None:
         """Form the quorums of fault-tolerant runs (fault_tolerance.enabled) until stopped."""
         from europa.core.fault.launch import lighthouse
 
+        timings = FaultToleranceConfig(join_timeout_s=join_timeout_s,
+                                       heartbeat_timeout_s=heartbeat_timeout_s,
+                                       quorum_tick_s=quorum_tick_s)  # fmt: skip
+        _check_ladder(timings)
+
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
-        with lighthouse(bind, min_replicas, join_timeout_s) as address:
+        with lighthouse(bind, min_replicas, timings) as address:
             joins = f'--set fault_tolerance.lighthouse="{address}"'
             print(f"europa: lighthouse at {address}; every group's {joins}", file=sys.stderr,
                   flush=True)  # fmt: skip
             stop.wait()
+
+
+def _check_ladder(timings: FaultToleranceConfig) -> None:
+    """The Lighthouse's rungs of ``fault_tolerance``'s ladder, named as its options."""
+    for lower, higher in itertools.pairwise(TIMEOUT_LADDERS[1]):
+        below, value = getattr(timings, lower), getattr(timings, higher)
+        if value <= below:
+            option = "--" + higher.replace("_", "-")
+            raise LaunchError(
+                f"{option} = {value}: expected more than --{lower.replace('_', '-')} ({below})"
+            )

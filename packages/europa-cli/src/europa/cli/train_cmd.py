@@ -100,7 +100,11 @@ def register(app: typer.Typer, manager: EuropaPluginManager) -> None:
 
 
 def _finished(run_dir: Path) -> str:
+    from europa.core.fault.launch import GROUP_DIR
+
     summary_file = run_dir / SUMMARY_FILE
+    if not summary_file.is_file():  # a fault-tolerant run's groups: each stopped as the first
+        summary_file = run_dir / GROUP_DIR.format(0) / SUMMARY_FILE
     if not summary_file.is_file():  # another rank of a torchrun job wrote nothing here
         return f"europa: run finished; results in {run_dir}"
     summary = json.loads(summary_file.read_text())

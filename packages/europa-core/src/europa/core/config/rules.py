@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from europa.core.config.values import fail
 from europa.core.pipeline.kinds import SPLIT_BACKWARD, fixed_stages_per_rank, stages_per_rank
@@ -38,24 +39,42 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
                    'optimizer.name = "muon")')  # fmt: skip
 
 
-# Each stage of the ladder must outlast the one below it: a slow collective fails the
+# Each stage of a ladder must outlast the one below it: a slow collective fails the
 # step before the step's own timeout, a live group still in its step is waited for before
-# the quorum forms without it, and a quorum request outlasts that wait.
-TIMEOUT_LADDER = ("process_group_timeout_s", "step_timeout_s", "join_timeout_s",
-                  "quorum_timeout_s")  # fmt: skip
+# the quorum forms without it, and a quorum request outlasts that wait. The Lighthouse
+# looks for a quorum more often than it drops a silent group, and drops it before it
+# would stop waiting for it.
+TIMEOUT_LADDERS = (
+    ("process_group_timeout_s", "step_timeout_s", "join_timeout_s", "quorum_timeout_s"),
+    ("quorum_tick_s", "heartbeat_timeout_s", "join_timeout_s"),
+)
 
 
 def _check_fault_tolerance(config: EuropaConfig) -> None:
     ft, p = config.fault_tolerance, config.parallel
     if not ft.enabled:
         return
-    for lower, higher in itertools.pairwise(TIMEOUT_LADDER):
-        below, value = getattr(ft, lower), getattr(ft, higher)
-        if value <= below:
-            raise fail(f"fault_tolerance.{higher}", value,
-                       f"more than fault_tolerance.{lower} ({below})")  # fmt: skip
+    if ft.lighthouse and not is_http_host_port(ft.lighthouse):
+        raise fail("fault_tolerance.lighthouse", ft.lighthouse,
+                   "http://host:port, or empty for one on 127.0.0.1")  # fmt: skip
+    for ladder in TIMEOUT_LADDERS:
+        for lower, higher in itertools.pairwise(ladder):
+            below, value = getattr(ft, lower), getattr(ft, higher)
+            if value <= below:
+                raise fail(f"fault_tolerance.{higher}", value,
+                           f"more than fault_tolerance.{lower} ({below})")  # fmt: skip
     if p.pp > 1:
         raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
+
+
+def is_http_host_port(address: str) -> bool:
+    where = urlsplit(address)
+    try:
+        port = where.port
+    except ValueError:  # not a number, or out of range
+        return False
+    rest = (where.path, where.query, where.fragment, where.username)
+    return where.scheme == "http" and bool(where.hostname) and port is not None and not any(rest)
 
 
 def _check_pipeline(config: EuropaConfig) -> None:

@@ -252,6 +252,15 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = setting(
         120.0, gt=0, doc="how long a group waits for a quorum before it gives up"
     )
+    heartbeat_timeout_s: float = setting(
+        5.0,
+        gt=0,
+        doc="the Lighthouse drops a group it has not heard from this long (each group's "
+        "manager beats every 0.1 s) from the next quorum",
+    )
+    quorum_tick_s: float = setting(
+        0.1, gt=0, doc="how often the Lighthouse looks whether a quorum can form"
+    )
 
 
 @dataclass(kw_only=True)

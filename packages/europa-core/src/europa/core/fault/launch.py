@@ -22,22 +22,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 
 from europa.core.errors import LaunchError, WorkerFailed
 from europa.core.fault.state import ReplicaPlace, group_config
+from europa.core.launch.orphan import LAUNCHER_PID, announce_launcher, exit_with_launcher
 from europa.core.run_dir import CACHE, CONFIG_FILE
 
 REPLICA_GROUP_ENV = "EUROPA_REPLICA_GROUP"  # "I/R": this process's group, of R
 GROUP_DIR = "replica-{}"
 CHECKPOINTS = "checkpoints"
-HEARTBEAT_TIMEOUT_MS = 5_000  # a group silent this long leaves the quorum
-QUORUM_TICK_MS = 100
 
 
 def replica_from_environment(environ=None) -> ReplicaPlace | None:
@@ -49,7 +51,8 @@ def replica_from_environment(environ=None) -> ReplicaPlace | None:
 
 
 def check_replicated(config) -> int:
-    """The number of replica groups, or a one-line error."""
+    """The number of replica groups, or a one-line error. Not a config rule: each group's
+    own config has no replicate axis (``group_config``)."""
     replicas, least = config.parallel.dp_replicate, config.fault_tolerance.min_replicas
     if replicas < 2:
         raise LaunchError(
@@ -95,6 +98,8 @@ def train_group(config, plugins, index: int, run_dir: Path | None, train_one_job
             "the Lighthouse every group joins (europa lighthouse)"
         )
     check_reachable(config.fault_tolerance.lighthouse)
+    if os.environ.get(LAUNCHER_PID):  # started by europa train for every group (here)
+        exit_with_launcher()
     os.environ[REPLICA_GROUP_ENV] = f"{index}/{replicas}"  # for this group's workers
     return train_one_job(
         group_config(config), plugins, run_dir=group_run_dir(run_dir, index),
@@ -108,9 +113,7 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     import socket
     from urllib.parse import urlsplit
 
-    where = urlsplit(address)
-    if where.scheme != "http" or where.hostname is None or where.port is None:
-        raise LaunchError(f"fault_tolerance.lighthouse = {address!r}: expected http://host:port")
+    where = urlsplit(address)  # its form: the config's rules
     try:
         with socket.create_connection((where.hostname, where.port), timeout=timeout_s):
             pass
@@ -122,8 +125,10 @@ def check_reachable(address: str, timeout_s: float = 5.0) -> None:
 
 
 @contextmanager
-def lighthouse(bind: str, min_replicas: int, join_timeout_s: float) -> Iterator[str]:
-    """A torchft Lighthouse listening on ``bind`` (host:port); yields its address."""
+def lighthouse(bind: str, min_replicas: int, ft) -> Iterator[str]:
+    """A torchft Lighthouse listening on ``bind`` (host:port), timed by ``ft`` (the
+    ``[fault_tolerance]`` table, or anything with its ``join_timeout_s``,
+    ``heartbeat_timeout_s`` and ``quorum_tick_s``); yields its address."""
     from europa.core.fault import quiet_torchft
 
     quiet_torchft()
@@ -133,9 +138,9 @@ def lighthouse(bind: str, min_replicas: int, join_timeout_s: float) -> Iterator[
     server = LighthouseServer(
         bind=bind,
         min_replicas=min_replicas,
-        join_timeout_ms=int(join_timeout_s * 1000),
-        quorum_tick_ms=QUORUM_TICK_MS,
-        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        join_timeout_ms=_ms(ft.join_timeout_s),
+        quorum_tick_ms=_ms(ft.quorum_tick_s),
+        heartbeat_timeout_ms=_ms(ft.heartbeat_timeout_s),
     )
     try:
         yield f"http://{host}:{server.address().rsplit(':', 1)[1]}"
@@ -143,16 +148,25 @@ def lighthouse(bind: str, min_replicas: int, join_timeout_s: float) -> Iterator[
         server.shutdown()
 
 
-def train_groups_here(config, run_dir: Path, *, resume: bool, nproc: int, max_restarts: int):
-    """Every replica group on this machine, each ``europa train --replica-group I`` in a
-    process of its own, beside a Lighthouse on loopback unless the config names one. The
-    caller holds the run directory and has prepared it."""
-    replicas = check_replicated(config)
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))
+
+
+def check_local_ranks(config, nproc: int) -> None:
+    """The groups on this machine share its ``nproc`` ranks evenly."""
+    replicas = config.parallel.dp_replicate
     if nproc % replicas:
         raise LaunchError(
             f"--nproc = {nproc}: expected a multiple of parallel.dp_replicate ({replicas}), "
             "the replica groups sharing this machine's ranks"
         )
+
+
+def train_groups_here(config, run_dir: Path, *, resume: bool, nproc: int, max_restarts: int):
+    """Every replica group on this machine, each ``europa train --replica-group I`` in a
+    process of its own, beside a Lighthouse on loopback unless the config names one. The
+    caller holds the run directory and has prepared it."""
+    replicas = config.parallel.dp_replicate
     ft = config.fault_tolerance
     with _lighthouse_for(ft) as address:
         per_group = nproc // replicas
@@ -162,9 +176,20 @@ def train_groups_here(config, run_dir: Path, *, resume: bool, nproc: int, max_re
         ]
         # the groups share this machine's cores, as one job's local workers do
         threads = str(max(1, (os.cpu_count() or 1) // nproc))
+        announce_launcher()  # each group's launcher ends with this one (orphan)
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", threads)}
-        procs = [subprocess.Popen(command, env=env) for command in commands]
-        failed = _wait_all(procs)
+        procs: list[subprocess.Popen] = []
+        try:
+            with GroupStops(procs):
+                for command in commands:
+                    # a session of its own: a terminal's Ctrl-C reaches it once, through here
+                    procs.append(subprocess.Popen(command, env=env, start_new_session=True))
+                failed = _wait_all(procs)
+        finally:
+            for proc in procs:  # none outlives this command, whatever ended it
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
     if failed is not None:
         index, code = failed
         raise WorkerFailed(
@@ -181,7 +206,7 @@ def _lighthouse_for(ft) -> Iterator[str]:
         return
     from europa.core.launch.distributed import free_port
 
-    with lighthouse(f"127.0.0.1:{free_port()}", 1, ft.join_timeout_s) as address:
+    with lighthouse(f"127.0.0.1:{free_port()}", 1, ft) as address:
         yield address
 
 
@@ -192,6 +217,34 @@ def _group_command(run_dir: Path, index: int, nproc: int, max_restarts: int, add
                "--max-restarts", str(max_restarts),
                "--set", f'fault_tolerance.lighthouse="{address}"']  # fmt: skip
     return [*command, "--resume"] if resume else command
+
+
+class GroupStops:
+    """A stop signal to ``europa train`` goes to every replica group it started, as each
+    group's launcher passes it to its workers: they agree on one last committed step
+    (``train.stop``), one of them saves it, and every group exits 0."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+
+    def __init__(self, procs: list[subprocess.Popen]) -> None:
+        self.procs = procs
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> GroupStops:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._forward)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _forward(self, signum: int, frame: FrameType | None) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signum)
 
 
 def _wait_all(procs: list[subprocess.Popen]) -> tuple[int, int] | None:

@@ -167,6 +167,7 @@ def _train_fault_tolerant(config, plugins, replica_group, *, run_dir, resume, np
         )
     replicas = ft.check_replicated(config)
     per_node = nproc if nproc is not None else config.parallel.nproc
+    ft.check_local_ranks(config, per_node)  # before the run directory is made
     run_dir = run_dir or default_run_dir(config)
     with RunDirLock.hold(run_dir) as lock:  # for every group: the run directory is one run's
         with _undone_on_bad_input(run_dir, lock):

@@ -149,6 +149,8 @@ class Trainer:
         self.model = model
         opt = cfg.optimizer
         self.qk_clip = QKClip(model, cfg.model.n_layers, opt.qk_clip_tau) if opt.qk_clip else None
+        self._stop: StopRequest | None = None  # run()'s, which a step with replicas agrees on
+        self._stop_agreed = False
         self.pipeline = None
         if stage_names is not None:
             self.pipeline = pipeline.PipelineRun(job, model, stage_names, logits_loss)
@@ -365,6 +367,8 @@ class Trainer:
             maxima = None
             if self.qk_clip is not None:  # before the vote: torchft's collectives end there
                 maxima = self.qk_clip.agreed_maxima(self.job.device, self.replicas)
+            if self.replicas is not None and self._stop is not None:  # before the vote too
+                self._stop_agreed = self._stop.agreed(self.job.device, self.replicas)
             if self.replicas is not None and not self.job.state.get(LAYOUT_SUMS_REPLICAS):
                 self._average_over_replicas()
             grad_norm = self._clip()
@@ -499,6 +503,7 @@ class Trainer:
         stopped_by = None
         after_save: dict[str, float] = {}
         with StopRequest() as stop:
+            self._stop = stop
             while done < cfg.training.steps:
                 record = self.step(done)
                 if not record.get(COMMITTED, True):
@@ -509,7 +514,7 @@ class Trainer:
                 done = step + 1
                 first_loss = record["loss"] if first_loss is None else first_loss
                 last_loss = record["loss"]
-                stopping = stop.agreed(job.device)
+                stopping = stop.agreed(job.device) if self.replicas is None else self._stop_agreed
                 if self._evaluates_after(done) and not stopping:
                     validation = self.evaluate()
                     record.update(validation)

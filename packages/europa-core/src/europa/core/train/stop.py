@@ -5,6 +5,10 @@ SIGUSR1 ahead of it). A handler only records the request; at the end of each
 step every rank reports whether it saw one (all-reduce MAX), so all ranks
 stop after the same step even when only some of them were signalled.
 
+With fault tolerance, each step also takes the maximum over the replica groups (through
+torchft, before the step's vote), so every group stops after the same committed step
+and one of them saves it.
+
 Ctrl-C (SIGINT) asks the same; a second Ctrl-C stops at once (KeyboardInterrupt).
 The local launcher forwards each Ctrl-C it gets to its workers, which run in sessions
 of their own, so a worker sees one SIGINT per Ctrl-C.
@@ -44,9 +48,14 @@ class StopRequest:
         self._interrupted = self._interrupted or signum == signal.SIGINT
         self.signal_name = self.signal_name or signal.Signals(signum).name
 
-    def agreed(self, device: torch.device) -> bool:
-        """True on every rank once any rank has been signalled (a collective)."""
-        flag = torch.tensor([1 if self.signal_name else 0], device=device)
+    def agreed(self, device: torch.device, replicas=None) -> bool:
+        """True on every rank once any rank has been signalled (a collective). With
+        ``replicas`` (``europa.spec.replicas.ReplicaGroups``), on every rank of every group
+        in this step's quorum: called before the step's vote, so all of them stop after
+        the same committed step."""
+        flag = torch.tensor([1.0 if self.signal_name else 0.0], device=device)
         if dist.is_initialized():
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if replicas is not None:
+            replicas.maximum(flag)
         return bool(flag.item())

@@ -1,0 +1,191 @@
+"""A fault-tolerant ``europa train`` (two replica groups of one rank, torchft, a Lighthouse
+on loopback) stopped as a batch system stops it: a stop signal to the command it
+started ends in one checkpoint that every group agreed on and exit 0; a SIGKILL leaves
+no process of the run behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import EuropaProcess
+
+STEPS = 40
+FT = [
+    "fault_tolerance.enabled=true",
+    "parallel.dp_replicate=2",
+    "fault_tolerance.check_every=10",
+    "fault_tolerance.process_group_timeout_s=2",
+    "fault_tolerance.step_timeout_s=5",
+    "fault_tolerance.join_timeout_s=20",
+    "fault_tolerance.quorum_timeout_s=60",
+    f"training.steps={STEPS}",
+    "training.batch_size=2",  # small steps: the test is about the processes, not the model
+    "training.seq_len=32",
+    "metrics.progress=false",
+]
+
+
+def _train(run_dir: Path, err: Path, *extra: str) -> EuropaProcess:
+    sets = [arg for key in FT for arg in ("--set", key)]
+    return EuropaProcess(["train", "--nproc", "2", "--run-dir", str(run_dir), *sets, *extra],
+                         stderr=err)  # fmt: skip
+
+
+def _records(run_dir: Path, group: int) -> list[dict]:
+    path = run_dir / f"replica-{group}" / "metrics.jsonl"
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+
+def _committed(run_dir: Path, group: int) -> int:
+    return max((r["step"] for r in _records(run_dir, group) if r.get("committed")), default=0)
+
+
+def _processes_of(run_dir: Path) -> set[int]:
+    """Live processes whose command line names the run directory: the groups' launchers
+    (``--run-dir RUN``) and their workers (``--run-dir RUN/replica-I``)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:  # ended while we looked
+            continue
+        if state != "Z" and any(arg.startswith(bytes(run_dir)) for arg in argv):
+            found.add(int(entry.name))
+    return found
+
+
+def _wait_for_both(run_dir: Path, launcher: EuropaProcess, step: int, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while min(_committed(run_dir, g) for g in (0, 1)) < step:
+        assert launcher.poll() is None, launcher.stderr_path.read_text()
+        assert time.monotonic() < deadline, f"the groups did not reach step {step}"
+        time.sleep(0.05)
+
+
+def _gone_within(run_dir: Path, seen: set[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while (_processes_of(run_dir) | {p for p in seen if _alive(p)}) and (
+        time.monotonic() < deadline
+    ):
+        time.sleep(0.1)
+    left = _processes_of(run_dir) | {p for p in seen if _alive(p)}
+    assert not left, f"processes of the run still there after {seconds} s: {sorted(left)}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _group_launcher(run_dir: Path, index: int) -> int:
+    for pid in _processes_of(run_dir):
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"--replica-group" in argv and argv[argv.index(b"--replica-group") + 1] == b"%d" % index:
+            return pid
+    raise AssertionError(f"no launcher of group {index}")
+
+
+def _stop(run_dir: Path, launcher: EuropaProcess, sig: signal.Signals, at: int,
+          only_group: int | None = None) -> int:  # fmt: skip
+    """Send ``sig`` to ``europa train`` (or to one group's launcher alone) once both groups
+    have committed step ``at``; the step every group stopped after."""
+    _wait_for_both(run_dir, launcher, at, timeout=120)
+    seen = _processes_of(run_dir)
+    assert len(seen) == 2, seen  # each group of one rank trains in its launcher
+    target = launcher.pid if only_group is None else _group_launcher(run_dir, only_group)
+    os.kill(target, sig)
+    assert launcher.wait(60) == 0, launcher.stderr_path.read_text()
+    _gone_within(run_dir, seen, 10)  # all of them had ended when the command did
+    summaries = [
+        json.loads((run_dir / f"replica-{g}" / "summary.json").read_text()) for g in (0, 1)
+    ]
+    by = [sig.name if only_group in (None, g) else "a signal to another rank" for g in (0, 1)]
+    assert [s["stopped_by"] for s in summaries] == by
+    (stopped,) = {s["steps"] for s in summaries}  # one last committed step for both
+    assert stopped >= at
+    from europa.core.checkpoint.store import complete_checkpoints
+
+    assert complete_checkpoints(run_dir)[-1][0] == stopped  # saved, once, by one group
+    assert f"stopped by {by[0]} after step {stopped} of {STEPS}" in (
+        launcher.stderr_path.read_text()
+    )
+    return stopped
+
+
+@pytest.mark.distributed
+def test_a_stop_signal_saves_the_step_every_group_agreed_on_and_resume_finishes(tmp_path):
+    run_dir = tmp_path / "run"
+    first = _train(run_dir, tmp_path / "first.err")
+    try:
+        stopped = _stop(run_dir, first, signal.SIGTERM, at=6)
+        again = _train(run_dir, tmp_path / "again.err", "--resume")
+        stopped = _stop(run_dir, again, signal.SIGINT, at=stopped + 4)
+        # a signal to one group alone (a batch system's to one job step): the other follows
+        third = _train(run_dir, tmp_path / "third.err", "--resume")
+        stopped = _stop(run_dir, third, signal.SIGUSR1, at=stopped + 4, only_group=1)
+        last = _train(run_dir, tmp_path / "last.err", "--resume")
+        assert last.wait(180) == 0, last.stderr_path.read_text()
+    finally:
+        for process in (first, *(locals().get(n) for n in ("again", "third", "last"))):
+            if process is not None and process.poll() is None:
+                process.kill()
+    ends = [_records(run_dir, g)[-1] for g in (0, 1)]
+    assert [r["step"] for r in ends] == [STEPS, STEPS]
+    assert ends[0]["state_digest"] == ends[1]["state_digest"]
+    for group in (0, 1):  # every step once after the last resume: from the save, or healed
+        resumed = [r for r in _records(run_dir, group) if r["committed"] and r["step"] > stopped]
+        assert [r["step"] for r in resumed] == list(range(resumed[0]["step"], STEPS + 1))
+        assert resumed[0]["step"] == stopped + 1 or "heal_s" in resumed[0], resumed[0]
+
+
+@pytest.mark.distributed
+def test_a_killed_europa_train_leaves_no_process_of_its_run(tmp_path):
+    run_dir = tmp_path / "run"
+    launcher = _train(run_dir, tmp_path / "err")
+    try:
+        _wait_for_both(run_dir, launcher, 3, timeout=120)
+        seen = _processes_of(run_dir)
+        assert len(seen) == 2, seen
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)
+        _gone_within(run_dir, seen, 30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+
+
+@pytest.mark.distributed
+def test_a_killed_group_restarts_heals_and_the_run_ends_whole(tmp_path):
+    run_dir, steps = tmp_path / "run", 30
+    launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "2",
+                      "--set", f"training.steps={steps}")  # fmt: skip
+    try:
+        _wait_for_both(run_dir, launcher, 8, timeout=120)
+        (worker,) = [
+            pid
+            for pid in _processes_of(run_dir)
+            if b"replica-1" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and b"europa.core.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(worker, signal.SIGKILL)
+        assert launcher.wait(180) == 0, launcher.stderr_path.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    ends = [_records(run_dir, g)[-1] for g in (0, 1)]
+    assert [r["step"] for r in ends] == [steps, steps]
+    assert ends[0]["state_digest"] == ends[1]["state_digest"]
+    assert any("heal_s" in r for r in _records(run_dir, 1) if r["step"] > 8), "no heal"
