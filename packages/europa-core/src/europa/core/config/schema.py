@@ -252,8 +252,10 @@ class FaultToleranceConfig:
     quorum_timeout_s: float = setting(
         120.0, gt=0, doc="how long a group waits for a quorum before it gives up"
     )
+    # 2 s (benchmarks/fault_tolerance.py, docs/operations.md): a failure costs about 3.5 s
+    # less than at torchft's own 5 s and 0.8 s more than at 1 s, with 20 beats of margin.
     heartbeat_timeout_s: float = setting(
-        5.0,
+        2.0,
         gt=0,
         doc="the Lighthouse drops a group it has not heard from this long (each group's "
         "manager beats every 0.1 s) from the next quorum",
