@@ -31,6 +31,11 @@ FT = [
 ]
 
 
+# Every step needs both groups: with min_replicas = 1 the group that starts first steps
+# alone while the other imports torch, and at 0.05 s a step it can finish the run alone.
+BOTH = ["--set", "fault_tolerance.min_replicas=2"]
+
+
 def _train(run_dir: Path, err: Path, *extra: str) -> EuropaProcess:
     sets = [arg for key in FT for arg in ("--set", key)]
     return EuropaProcess(["train", "--nproc", "2", "--run-dir", str(run_dir), *sets, *extra],
@@ -128,10 +133,10 @@ def _stop(run_dir: Path, launcher: EuropaProcess, sig: signal.Signals, at: int,
 @pytest.mark.distributed
 def test_a_stop_signal_saves_the_step_every_group_agreed_on_and_resume_finishes(tmp_path):
     run_dir = tmp_path / "run"
-    first = _train(run_dir, tmp_path / "first.err")
+    first = _train(run_dir, tmp_path / "first.err", *BOTH)
     try:
         stopped = _stop(run_dir, first, signal.SIGTERM, at=6)
-        again = _train(run_dir, tmp_path / "again.err", "--resume")
+        again = _train(run_dir, tmp_path / "again.err", "--resume")  # the run's config: BOTH
         stopped = _stop(run_dir, again, signal.SIGINT, at=stopped + 4)
         # a signal to one group alone (a batch system's to one job step): the other follows
         third = _train(run_dir, tmp_path / "third.err", "--resume")
@@ -170,7 +175,9 @@ def test_a_killed_europa_train_leaves_no_process_of_its_run(tmp_path):
 @pytest.mark.distributed
 def test_a_killed_group_restarts_heals_and_the_run_ends_whole(tmp_path):
     run_dir, steps = tmp_path / "run", 30
-    launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "2",
+    # both groups in every step: alone, the other would finish the run's 30 short steps
+    # while the killed group's worker restarts
+    launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "2", *BOTH,
                       "--set", f"training.steps={steps}")  # fmt: skip
     try:
         _wait_for_both(run_dir, launcher, 8, timeout=120)
