@@ -170,9 +170,9 @@ def _serve(conn: multiprocessing.connection.Connection, world: WriterWorld, pare
 
 def _join(world: WriterWorld) -> None:
     timeout = timedelta(seconds=world.timeout_s)
-    store = dist.TCPStore(
-        world.host, world.port, world.size, is_master=world.rank == 0, timeout=timeout
-    )
+    from europa.core.launch.stores import rank_store
+
+    store = rank_store(world.host, world.port, world.rank, world.size, timeout=timeout)
     dist.init_process_group(
         "gloo", store=store, rank=world.rank, world_size=world.size, timeout=timeout
     )

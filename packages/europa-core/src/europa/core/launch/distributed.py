@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from europa.core.config.schema import ParallelConfig
 from europa.core.errors import LaunchError
+from europa.core.launch.stores import store_server
 from europa.spec.job import DATA_AXES, MESH_AXES
 
 
@@ -198,14 +199,15 @@ def init_distributed(
     """Start the process group and build the named mesh for this process."""
     shape = mesh_shape(parallel, place.world_size)
     device = pick_device(parallel, place.local_rank)
-    # A lone process rendezvous with itself on a free local port; launched ranks
-    # read MASTER_ADDR/MASTER_PORT from the environment their launcher set.
-    init_method = f"tcp://127.0.0.1:{free_port()}" if place.source == "single" else "env://"
+    # A lone process hosts its own store on loopback; launched ranks read
+    # MASTER_ADDR/MASTER_PORT from the environment their launcher set.
     store = restarted_group_store(place.world_size)
+    if place.source == "single":
+        store = store_server("127.0.0.1", world_size=1)
     if not dist.is_initialized():
         dist.init_process_group(
             backend=pick_backend(parallel, device),
-            init_method=None if store is not None else init_method,
+            init_method=None if store is not None else "env://",
             store=store,
             rank=place.rank,
             world_size=place.world_size,

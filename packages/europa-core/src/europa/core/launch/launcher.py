@@ -51,6 +51,7 @@ from europa.core.launch.resume import (
     is_restart,
     resumes,
 )
+from europa.core.launch.stores import is_loopback
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
@@ -357,13 +358,16 @@ def launch_local_workers(
     # worker has already printed its one-line error, and we raise WorkerFailed.
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     nodes = nodes or Nodes()
+    endpoint = nodes.endpoint or f"127.0.0.1:{free_port()}"
     launch = LaunchConfig(
         min_nodes=nodes.count,
         max_nodes=nodes.count,
         nproc_per_node=nproc,
         run_id=nodes.run_id(run_dir),
         rdzv_backend=RENDEZVOUS_BACKEND,
-        rdzv_endpoint=nodes.endpoint or f"127.0.0.1:{free_port()}",
+        rdzv_endpoint=endpoint,
+        # the workers' store and MASTER_ADDR on loopback too, when the rendezvous is
+        local_addr="127.0.0.1" if is_loopback(endpoint.rsplit(":", 1)[0]) else None,
         rdzv_configs=choice.rendezvous_configs(nodes.rdzv_configs()),
         max_restarts=nodes.max_restarts,
         monitor_interval=0.1,

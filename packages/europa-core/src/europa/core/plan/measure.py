@@ -405,18 +405,19 @@ def run_measurement(config, base: HardwareProfile, out: str | None, command: str
     per_node = ranks_per_node(config.parallel, world, int(os.environ.get("LOCAL_WORLD_SIZE", 0)))
     check_node_layout(config.parallel, world, per_node)  # before any rank starts
     if here:
-        _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, "env://")
+        _rank_main(int(os.environ["RANK"]), world, per_node, config, base, out, command, None)
         return
-    address = f"tcp://127.0.0.1:{free_port()}"
     mp.start_processes(
         _rank_main,
-        args=(world, per_node, config, base, out, command, address),
+        args=(world, per_node, config, base, out, command, free_port()),
         nprocs=world,
         start_method="spawn",
     )
 
 
-def _rank_main(rank, world, per_node, config, base, out, command, address) -> None:
+def _rank_main(rank, world, per_node, config, base, out, command, store_port) -> None:
+    """One rank; ``store_port``: where rank 0 hosts the store on loopback (None: the
+    environment torchrun set)."""
     import json
 
     from europa.core.config import toml
@@ -431,9 +432,14 @@ def _rank_main(rank, world, per_node, config, base, out, command, address) -> No
     device = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=address, rank=rank, world_size=world
-    )
+    backend = "nccl" if cuda else "gloo"
+    if store_port is None:
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    else:
+        from europa.core.launch.stores import rank_store
+
+        store = rank_store("127.0.0.1", store_port, rank, world)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world)
     try:
         shapes = ModelShapes.of(build_moe_model(config.model))  # on the meta device
         profile, found = measure(config, shapes, base, device, per_node)

@@ -1,0 +1,70 @@
+"""A run on one machine listens on loopback only.
+
+torch's ``TCPStore`` server binds every interface, whatever host it is given; handed a
+socket already bound (``master_listen_fd``), it listens there instead. A run's stores
+are made here: the lone process's, the background writers', and the two torch's elastic
+agent starts (the c10d rendezvous's store and the store its workers share, which
+``loopback_rendezvous`` builds in torch's place when the rendezvous endpoint is a
+loopback address).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from datetime import timedelta
+
+import torch.distributed as dist
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK
+
+
+def store_server(host: str, port: int = 0, **options) -> dist.TCPStore:
+    """A ``TCPStore`` server listening on ``host`` alone (port 0: a free one)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.create_server((host, port), family=family, backlog=4096)
+    bound = listener.getsockname()[1]
+    return dist.TCPStore(host, bound, is_master=True, master_listen_fd=listener.detach(),
+                         **options)  # fmt: skip
+
+
+def rank_store(host: str, port: int, rank: int, world_size: int, **options) -> dist.TCPStore:
+    """A process group's store at ``host:port``: rank 0 hosts it (on ``host`` alone when
+    that is loopback; torch's own binding otherwise), the others join it."""
+    if rank == 0 and is_loopback(host):
+        return store_server(host, port, world_size=world_size, **options)
+    return dist.TCPStore(host, port, world_size, is_master=rank == 0, **options)
+
+
+def host_or_join(host: str, port: int, **options) -> dist.TCPStore:
+    """The store at ``host:port``: hosted here on ``host`` alone, or joined when another
+    process of the machine hosts it already (as torch's own rendezvous does)."""
+    try:
+        return store_server(host, port, **options)
+    except OSError as err:
+        if err.errno != errno.EADDRINUSE:
+            raise
+    return dist.TCPStore(host, port, is_master=False, **options)
+
+
+def loopback_rendezvous(params):
+    """torch's c10d rendezvous handler, its stores on loopback: the rendezvous's at the
+    endpoint, the workers' (hosted by the agent of rank 0) beside it."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+        C10dRendezvousBackend,
+    )
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
+    store = host_or_join(host, port, multi_tenant=True, timeout=timeout)
+    handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)
+    handler._create_tcp_store_server = lambda addr, port: store_server(  # torch's, bound
+        host, port, multi_tenant=True
+    )
+    return handler
