@@ -16,6 +16,7 @@ import pytest
 from tests.conftest import EuropaProcess
 
 STEPS = 40
+EVERY_PROCESS = -1
 FT = [
     "fault_tolerance.enabled=true",
     "parallel.dp_replicate=2",
@@ -109,15 +110,22 @@ def _stop(run_dir: Path, launcher: EuropaProcess, sig: signal.Signals, at: int,
     have committed step ``at``; the step every group stopped after."""
     _wait_for_both(run_dir, launcher, at, timeout=120)
     seen = _processes_of(run_dir)
-    assert len(seen) == 2, seen  # each group of one rank trains in its launcher
-    target = launcher.pid if only_group is None else _group_launcher(run_dir, only_group)
-    os.kill(target, sig)
+    assert len(seen) in (2, 4), seen  # a group's rank trains in its launcher or a worker
+    if only_group == EVERY_PROCESS:  # as Slurm's scancel signals a job step's processes
+        targets = [launcher.pid, *_processes_of(run_dir)]
+    elif only_group is None:
+        targets = [launcher.pid]
+    else:
+        targets = [_group_launcher(run_dir, only_group)]
+    for target in targets:
+        os.kill(target, sig)
     assert launcher.wait(60) == 0, launcher.stderr_path.read_text()
     _gone_within(run_dir, seen, 10)  # all of them had ended when the command did
     summaries = [
         json.loads((run_dir / f"replica-{g}" / "summary.json").read_text()) for g in (0, 1)
     ]
-    by = [sig.name if only_group in (None, g) else "a signal to another rank" for g in (0, 1)]
+    by = [sig.name if only_group in (None, EVERY_PROCESS, g) else "a signal to another rank"
+          for g in (0, 1)]  # fmt: skip
     assert [s["stopped_by"] for s in summaries] == by
     (stopped,) = {s["steps"] for s in summaries}  # one last committed step for both
     assert stopped >= at
@@ -141,10 +149,14 @@ def test_a_stop_signal_saves_the_step_every_group_agreed_on_and_resume_finishes(
         # a signal to one group alone (a batch system's to one job step): the other follows
         third = _train(run_dir, tmp_path / "third.err", "--resume")
         stopped = _stop(run_dir, third, signal.SIGUSR1, at=stopped + 4, only_group=1)
+        # SIGTERM to every process of the run, workers too (--max-restarts spawns them), so
+        # each group's launcher gets two: its own and the one europa train passes on
+        fourth = _train(run_dir, tmp_path / "fourth.err", "--resume", "--max-restarts", "1")
+        stopped = _stop(run_dir, fourth, signal.SIGTERM, at=stopped + 4, only_group=EVERY_PROCESS)
         last = _train(run_dir, tmp_path / "last.err", "--resume")
         assert last.wait(180) == 0, last.stderr_path.read_text()
     finally:
-        for process in (first, *(locals().get(n) for n in ("again", "third", "last"))):
+        for process in (first, *(locals().get(n) for n in ("again", "third", "fourth", "last"))):
             if process is not None and process.poll() is None:
                 process.kill()
     ends = [_records(run_dir, g)[-1] for g in (0, 1)]

@@ -371,7 +371,7 @@ def launch_local_workers(
         rdzv_configs=choice.rendezvous_configs(nodes.rdzv_configs()),
         max_restarts=nodes.max_restarts,
         monitor_interval=0.1,
-        signals_to_handle="SIGTERM,SIGHUP,SIGQUIT,SIGUSR1",  # SIGINT: ForwardedInterrupts
+        signals_to_handle="SIGHUP,SIGQUIT",  # SIGINT, SIGTERM, SIGUSR1: ForwardedInterrupts
         shutdown_timeout=STOP_GRACE_SECONDS,
     )
     args = ["-m", WORKER_MODULE, "--run-dir", str(run_dir)]
