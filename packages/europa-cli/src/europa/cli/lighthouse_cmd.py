@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 import signal
 import sys
 import threading
@@ -10,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from europa.core.config.rules import TIMEOUT_LADDERS
+from europa.core.config.rules import TIMEOUT_LADDERS, first_unclimbed
 from europa.core.config.schema import FaultToleranceConfig
 from europa.core.errors import LaunchError
 
@@ -78,10 +77,14 @@ def register(app: typer.Typer) -> None:
 
 def _check_ladder(timings: FaultToleranceConfig) -> None:
     """The Lighthouse's rungs of ``fault_tolerance``'s ladder, named as its options."""
-    for lower, higher in itertools.pairwise(TIMEOUT_LADDERS[1]):
-        below, value = getattr(timings, lower), getattr(timings, higher)
-        if value <= below:
-            option = "--" + higher.replace("_", "-")
-            raise LaunchError(
-                f"{option} = {value}: expected more than --{lower.replace('_', '-')} ({below})"
-            )
+    unclimbed = first_unclimbed(timings, TIMEOUT_LADDERS[1])
+    if unclimbed is not None:
+        lower, higher = unclimbed
+        raise LaunchError(
+            f"{_option(higher)} = {getattr(timings, higher)}: expected more than "
+            f"{_option(lower)} ({getattr(timings, lower)})"
+        )
+
+
+def _option(key: str) -> str:
+    return "--" + key.replace("_", "-")

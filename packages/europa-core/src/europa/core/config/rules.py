@@ -58,13 +58,22 @@ def _check_fault_tolerance(config: EuropaConfig) -> None:
         raise fail("fault_tolerance.lighthouse", ft.lighthouse,
                    "http://host:port, or empty for one on 127.0.0.1")  # fmt: skip
     for ladder in TIMEOUT_LADDERS:
-        for lower, higher in itertools.pairwise(ladder):
-            below, value = getattr(ft, lower), getattr(ft, higher)
-            if value <= below:
-                raise fail(f"fault_tolerance.{higher}", value,
-                           f"more than fault_tolerance.{lower} ({below})")  # fmt: skip
+        unclimbed = first_unclimbed(ft, ladder)
+        if unclimbed is not None:
+            lower, higher = unclimbed
+            raise fail(f"fault_tolerance.{higher}", getattr(ft, higher),
+                       f"more than fault_tolerance.{lower} ({getattr(ft, lower)})")  # fmt: skip
     if p.pp > 1:
         raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
+
+
+def first_unclimbed(timings, ladder: tuple[str, ...]) -> tuple[str, str] | None:
+    """The first two neighbouring rungs of ``ladder`` (names of ``timings``' attributes)
+    where the higher does not exceed the lower, or None."""
+    for lower, higher in itertools.pairwise(ladder):
+        if getattr(timings, higher) <= getattr(timings, lower):
+            return lower, higher
+    return None
 
 
 def is_http_host_port(address: str) -> bool:

@@ -186,6 +186,8 @@ def advertised_host(lighthouse: str) -> str:
     """The address other groups reach this group's manager at: loopback when the
     Lighthouse is (one machine), else this host's name."""
     import socket
+    from urllib.parse import urlsplit
 
-    local = ("127.0.0.1", "localhost", "[::1]")
-    return "127.0.0.1" if any(f"//{h}:" in lighthouse for h in local) else socket.gethostname()
+    from europa.core.launch.stores import is_loopback
+
+    return "127.0.0.1" if is_loopback(urlsplit(lighthouse).hostname or "") else socket.gethostname()

@@ -25,7 +25,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ from types import FrameType
 from europa.core.errors import LaunchError, WorkerFailed
 from europa.core.fault.state import ReplicaPlace, group_config
 from europa.core.launch.orphan import LAUNCHER_PID, announce_launcher, exit_with_launcher
+from europa.core.launch.signals import SignalScope
 from europa.core.run_dir import CACHE, CONFIG_FILE
 
 REPLICA_GROUP_ENV = "EUROPA_REPLICA_GROUP"  # "I/R": this process's group, of R
@@ -219,7 +219,7 @@ def _group_command(run_dir: Path, index: int, nproc: int, max_restarts: int, add
     return [*command, "--resume"] if resume else command
 
 
-class GroupStops:
+class GroupStops(SignalScope):
     """A stop signal to ``europa train`` goes to every replica group it started, as each
     group's launcher passes it to its workers: they agree on one last committed step
     (``train.stop``), one of them saves it, and every group exits 0."""
@@ -228,19 +228,8 @@ class GroupStops:
 
     def __init__(self, procs: list[subprocess.Popen]) -> None:
         self.procs = procs
-        self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> GroupStops:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._forward)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _forward(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):

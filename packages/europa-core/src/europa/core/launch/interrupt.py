@@ -22,32 +22,21 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 from pathlib import Path
 from types import FrameType
 
 from europa.core.launch.casualty import kill_workers, live_workers
+from europa.core.launch.signals import SignalScope
 
 PASSED_ON = (signal.SIGTERM, signal.SIGUSR1)
 
 
-class ForwardedInterrupts:
+class ForwardedInterrupts(SignalScope):
     SIGNALS = (signal.SIGINT, *PASSED_ON)
 
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
         self.forwarded = False  # a Ctrl-C was passed on
-        self._previous: dict[int, object] = {}
-
-    def __enter__(self) -> ForwardedInterrupts:
-        if threading.current_thread() is threading.main_thread():
-            for sig in self.SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         workers = live_workers(self.run_dir)

@@ -51,7 +51,7 @@ from europa.core.launch.resume import (
     is_restart,
     resumes,
 )
-from europa.core.launch.stores import is_loopback
+from europa.core.launch.stores import is_loopback_endpoint
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
@@ -367,7 +367,7 @@ def launch_local_workers(
         rdzv_backend=RENDEZVOUS_BACKEND,
         rdzv_endpoint=endpoint,
         # the workers' store and MASTER_ADDR on loopback too, when the rendezvous is
-        local_addr="127.0.0.1" if is_loopback(endpoint.rsplit(":", 1)[0]) else None,
+        local_addr="127.0.0.1" if is_loopback_endpoint(endpoint) else None,
         rdzv_configs=choice.rendezvous_configs(nodes.rdzv_configs()),
         max_restarts=nodes.max_restarts,
         monitor_interval=0.1,

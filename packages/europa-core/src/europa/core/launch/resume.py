@@ -130,12 +130,9 @@ def _choosing_c10d(params: RendezvousParameters) -> RendezvousHandler:
         params.local_addr,
         **configs,
     )
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from europa.core.launch.stores import is_loopback_endpoint, loopback_rendezvous
 
-    from europa.core.launch.stores import is_loopback, loopback_rendezvous
-
-    host, _ = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
-    if is_loopback(host):  # one machine: its stores listen on loopback alone
+    if is_loopback_endpoint(params.endpoint):  # one machine: its stores on loopback alone
         return _ChoosingRendezvous(loopback_rendezvous(inner), choice)
     return _ChoosingRendezvous(rendezvous_handler_registry.create_handler(inner), choice)
 

@@ -17,10 +17,18 @@ from datetime import timedelta
 import torch.distributed as dist
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+DEFAULT_PORT = 29400  # torch's c10d rendezvous's, for an endpoint without one
 
 
 def is_loopback(host: str) -> bool:
     return host in LOOPBACK
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a rendezvous endpoint (``host:port``, as torch parses it) is on loopback."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    return is_loopback(parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)[0])
 
 
 def store_server(host: str, port: int = 0, **options) -> dist.TCPStore:
@@ -60,7 +68,7 @@ def loopback_rendezvous(params):
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     store = host_or_join(host, port, multi_tenant=True, timeout=timeout)
     handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)

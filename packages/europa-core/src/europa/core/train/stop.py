@@ -17,32 +17,25 @@ of their own, so a worker sees one SIGINT per Ctrl-C.
 from __future__ import annotations
 
 import signal
-import threading
 from types import FrameType
 
 import torch
 import torch.distributed as dist
 
+from europa.core.launch.signals import SignalScope
+
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
-class StopRequest:
+class StopRequest(SignalScope):
+    SIGNALS = STOP_SIGNALS
+
     def __init__(self) -> None:
         self.signal_name: str | None = None
         self._interrupted = False
-        self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> StopRequest:
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._record)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _record(self, signum: int, frame: FrameType | None) -> None:
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        """Record the request only."""
         if signum == signal.SIGINT and self._interrupted:
             raise KeyboardInterrupt
         self._interrupted = self._interrupted or signum == signal.SIGINT
