@@ -208,3 +208,68 @@ def test_a_killed_group_restarts_heals_and_the_run_ends_whole(tmp_path):
     assert [r["step"] for r in ends] == [steps, steps]
     assert ends[0]["state_digest"] == ends[1]["state_digest"]
     assert any("heal_s" in r for r in _records(run_dir, 1) if r["step"] > 8), "no heal"
+
+
+@pytest.mark.distributed
+def test_a_group_restarted_after_the_others_finished_leaves_their_run_as_it_is(tmp_path):
+    """min_replicas = 1: while the killed group's worker restarts, the other trains the
+    short run's last steps alone and leaves. The restarted group's first quorum heals it
+    from no one; it reads the run's newest checkpoint then (the finished run), not the one
+    of its restart, and trains nothing more: no step of it alone, no second final save."""
+    run_dir, steps = tmp_path / "run", 30
+    shorter = ["--set", f"training.steps={steps}", "--set", "checkpoint.every=5"]
+    launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "1", *shorter)
+    try:
+        _wait_for_both(run_dir, launcher, 8, timeout=120)
+        (worker,) = [
+            pid
+            for pid in _processes_of(run_dir)
+            if b"replica-1" in Path(f"/proc/{pid}/cmdline").read_bytes()
+            and b"europa.core.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        ]
+        os.kill(worker, signal.SIGKILL)
+        assert launcher.wait(180) == 0, launcher.stderr_path.read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    from europa.core.checkpoint.store import complete_checkpoints
+
+    assert complete_checkpoints(run_dir)[-1][0] == steps
+    summaries = [
+        json.loads((run_dir / f"replica-{g}" / "summary.json").read_text()) for g in (0, 1)
+    ]
+    assert [s["steps"] for s in summaries] == [steps, steps]
+    # the restarted group's records after its restart's checkpoint: healed from group 0,
+    # or none (group 0 had finished); never steps trained alone from an older save
+    restarted_at = summaries[1]["resumed_from"]
+    after = [r for r in _records(run_dir, 1) if r["committed"] and r["step"] > restarted_at]
+    assert not after or "heal_s" in after[0], after[0]
+    if after:
+        assert after[-1]["state_digest"] == _records(run_dir, 0)[-1]["state_digest"]
+    else:
+        assert "nothing is left to train" in launcher.stderr_path.read_text()
+
+
+@pytest.mark.distributed
+def test_a_worker_that_fails_under_fault_tolerance_ends_with_its_run(tmp_path, fault_plugin_dir):
+    """A worker that raises leaves the torchft manager's threads running: unless it leaves
+    its replica group, the process never exits, and its launcher neither restarts it nor
+    fails. Both groups raise at step 3 in both starts (--max-restarts 1): the run fails."""
+    from tests.reliability.conftest import europa_env
+
+    run_dir = tmp_path / "run"
+    sets = [arg for key in FT for arg in ("--set", key)]
+    launcher = EuropaProcess(
+        ["train", "-p", "faults", "--nproc", "2", "--max-restarts", "1", "--run-dir",
+         str(run_dir), *sets, "--set", "faults.rank=0", "--set", "faults.raise_at_step=3"],
+        europa_env(fault_plugin_dir), stderr=tmp_path / "err",
+    )  # fmt: skip
+    try:
+        assert launcher.wait(90) == 1, launcher.stderr_path.read_text()
+        _gone_within(run_dir, set(), 10)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    err = launcher.stderr_path.read_text()
+    assert err.count("RuntimeError: injected fault at step 3") == 4, err  # 2 groups, 2 starts
+    assert "europa: error: replica group" in err.splitlines()[-1]

@@ -8,10 +8,11 @@ Lighthouse for each step's quorum). A step runs:
    joins late or restarts is healed before its forward: torchft picks a healthy group at
    the newest step, and each rank receives the state of the same rank there over the
    reconfigured process group (torchft's ``PGTransport``), into its own tensors. Nothing
-   is read from disk. The step to run is the quorum's, not the group's own count. A group
-   that was to resume from a checkpoint (``--resume``, or a restart by ``--max-restarts``)
-   reads it only when the first quorum heals it from no one: every group had stopped, and
-   each reads the same save (``continue_from``).
+   is read from disk. The step to run is the quorum's, not the group's own count. A
+   group's first quorum that heals it from no one reads the run's newest checkpoint at
+   that moment, if one is ahead (``continue_from``): after a full stop every group reads
+   the same save; a group restarted (``--max-restarts``) while the others went on and
+   left reads what they saved last, and trains nothing past ``training.steps``.
 2. ``average``: every cross-replica sum, among the ranks ``k`` of the participating groups.
 3. ``commit``: the vote. The optimizer steps only if every group in the quorum finished
    the step; otherwise the step is retried with the same data.
@@ -68,6 +69,7 @@ class TorchftReplicaGroups:
             ) from None
         ft = config.fault_tolerance
         self._healed = False  # this step's quorum handed this group a peer's state
+        self._left = False
         self._load_state = load_state
         step = timedelta(seconds=ft.step_timeout_s)
         store = group_store_address()
@@ -103,8 +105,13 @@ class TorchftReplicaGroups:
         started = time.perf_counter()
         self._healed = False
         self.manager.start_quorum()  # a heal, if any, is received and loaded inside it
-        healed = time.perf_counter() - started if self._healed else None
-        return StepStart(self.manager.current_step(), self.participants(), healed)
+        step = self.manager.current_step()
+        # At step 0 torchft hands some ranks of a group a peer's initial state and not
+        # others (it spreads each rank's source over the groups): every group starts from
+        # the same seed, so that is no heal, and the group's ranks agree on whether they
+        # were healed (what they do next, and record, depends on it).
+        healed = time.perf_counter() - started if self._healed and step > 0 else None
+        return StepStart(step, self.participants(), healed)
 
     def continue_from(self, step: int) -> None:
         """This group's committed steps are ``step`` (it loaded the checkpoint of that step
@@ -144,7 +151,10 @@ class TorchftReplicaGroups:
         return self.manager.participating_rank() == 0
 
     def shutdown(self) -> None:
-        self.manager.shutdown(wait=False)
+        """Leave: the manager's server and threads end (once; again does nothing)."""
+        if not self._left:
+            self._left = True
+            self.manager.shutdown(wait=False)
 
 
 @contextmanager

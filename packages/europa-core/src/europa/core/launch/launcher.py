@@ -205,7 +205,8 @@ def _train_one_job(config, plugins, *, run_dir, resume, nproc, from_older, nodes
         if resume:
             point = checkpoint_to_resume(run_dir, config.training.steps, from_older=from_older)
         preflight(config, plugins, world, point, None, local_ranks=per_node, replicas=replicas)
-        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
+        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes,
+                    replicas)  # fmt: skip
         return run_dir
     # First, before anything is read or written there: no other training uses it.
     with RunDirLock.hold(run_dir) as lock:
@@ -214,14 +215,18 @@ def _train_one_job(config, plugins, *, run_dir, resume, nproc, from_older, nodes
             point = check_run_dir(config, run_dir, resume=resume, from_older=from_older)
             preflight(config, plugins, world, point, run_dir, local_ranks=per_node,
                       replicas=replicas)  # fmt: skip
-        prepare_run_dir(config, run_dir, resume=resume, checked=True)
-        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes)
+        # a replica group's checkpoints are the run's, where the other groups may be saving
+        prepare_run_dir(config, run_dir, resume=resume, checked=True, keep_partials=replicas > 1)
+        _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes,
+                    replicas)  # fmt: skip
     return run_dir
 
 
-def _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes):
+def _train_here(config, plugins, run_dir, resume, point, from_older, per_node, world, nodes,
+                replicas):  # fmt: skip
     """This process trains (one rank, no restarts), or starts this node's workers;
-    ``point``: the checkpoint (step, path) this command chose to continue from."""
+    ``point``: the checkpoint (step, path) this command chose to continue from; ``replicas``:
+    the replica groups of a fault-tolerant run, of which this job is one."""
     chosen = None if point is None else point[1]
     if world == 1 and nodes.max_restarts == 0:
         from europa.core.train.loop import run_training
@@ -232,7 +237,8 @@ def _train_here(config, plugins, run_dir, resume, point, from_older, per_node, w
 
         def at_restart() -> Path | None:
             steps = config.training.steps
-            return checkpoint_at_restart(run_dir, steps, requested=resume, from_older=from_older)
+            return checkpoint_at_restart(run_dir, steps, requested=resume, from_older=from_older,
+                                         keep_partials=replicas > 1)  # fmt: skip
 
         choice = ResumeChoice(chosen, at_restart)
         try:

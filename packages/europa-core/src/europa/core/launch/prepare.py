@@ -66,16 +66,18 @@ def prepare_run_dir(
     resume: bool,
     from_older: bool = False,
     checked: bool = False,
+    keep_partials: bool = False,
 ) -> None:
     """Create (or, on resume, check and clear of unfinished saves) the run directory and
     write the resolved config. ``checked``: the caller has run ``check_run_dir`` (and
-    decided the checkpoint)."""
+    decided the checkpoint); ``keep_partials``: other jobs may be saving into its
+    checkpoints now (a replica group's)."""
     from europa.core.checkpoint.store import clear_partials
     from europa.core.config import config_to_toml
 
     if not checked:
         check_run_dir(config, run_dir, resume=resume, from_older=from_older)
-    if resume:
+    if resume and not keep_partials:
         clear_partials(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     write_replacing(run_dir / CONFIG_FILE, config_to_toml(config))

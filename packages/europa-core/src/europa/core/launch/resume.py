@@ -46,13 +46,17 @@ def resumes(run_dir: Path, requested: bool, restarted: bool) -> bool:
 
 
 def checkpoint_at_restart(
-    run_dir: Path, total_steps: int, *, requested: bool, from_older: bool
-) -> Path | None:
-    """The checkpoint a restarted group continues from, or None to start afresh."""
+    run_dir: Path, total_steps: int, *, requested: bool, from_older: bool,
+    keep_partials: bool = False,
+) -> Path | None:  # fmt: skip
+    """The checkpoint a restarted group continues from, or None to start afresh.
+    ``keep_partials``: other jobs may be saving into the run's checkpoints now (the
+    other replica groups, whose saves a failed group's leftovers must not cost)."""
     if not resumes(run_dir, requested, restarted=True):
         return None
     _, path = checkpoint_to_resume(run_dir, total_steps, from_older=from_older)
-    clear_partials(run_dir)
+    if not keep_partials:
+        clear_partials(run_dir)
     return path
 
 

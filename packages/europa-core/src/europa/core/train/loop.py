@@ -158,7 +158,7 @@ class Trainer:
         self.optimizer = job.optimizer
         self.replicas = self._join_replica_groups(replica)
         self.replica_count = replica.count if replica is not None else 1
-        self._from_disk_unless_healed = False
+        self._first_quorum = replica is not None  # it may find the run ahead on disk
         # Tokens trained so far; None: as many as full steps before this one would hold
         # (a fresh start, a resume from disk). With fault tolerance a step trains only its
         # participating groups' sequences, and a heal brings the peer's count.
@@ -244,7 +244,8 @@ class Trainer:
         }
 
     def restore(self) -> int:
-        """Load the launcher's choice. Only a damaged piece that loading finds (a flipped
+        """Load ``resume_from`` (the launcher's choice, or the newest checkpoint a replica
+        group's first quorum found). Only a damaged piece that loading finds (a flipped
         bit, which no check before reading sees) makes rank 0 choose again: an older
         intact checkpoint with ``from_older``, else the error naming the damage."""
         path = self.resume_from
@@ -330,6 +331,33 @@ class Trainer:
             total += loss.detach() / accum
         return total
 
+    def _continue_from_disk(self, step: int) -> int:
+        """After a first quorum that healed this group from no one: the run's newest
+        checkpoint, if it is past ``step``, loaded now (every group of a resumed run reads
+        the same save; a group restarted while the others went on, or finished the run
+        and left, reads what they saved last, not the checkpoint of its restart)."""
+        run_dir, steps = self.job.run_dir, self.job.config.training.steps
+
+        def newest() -> tuple[int, Path] | None:
+            if not checkpoint.complete_checkpoints(run_dir):
+                return None
+            return checkpoint.checkpoint_to_resume(run_dir, steps, from_older=self.from_older)
+
+        found = checkpoint.decided_on_rank_0(newest)
+        if found is None or found[0] <= step:
+            return step
+        self.resume_from = found[1]
+        step = self.restore()
+        self.replicas.continue_from(step)
+        if step >= steps and self.job.is_main:
+            print(
+                f"europa: the other replica groups finished the run ({found[1].name}) "
+                "while this group started; nothing is left to train",
+                file=sys.stderr,
+                flush=True,
+            )
+        return step
+
     def _clip(self) -> float:
         return self.plugins.hook.europa_clip_gradients(
             job=self.job, model=self.model, max_norm=self.job.config.training.max_grad_norm
@@ -341,20 +369,23 @@ class Trainer:
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         self.replicas.average([g.to_local() if hasattr(g, "to_local") else g for g in grads])
 
-    def step(self, step: int) -> dict[str, Any]:
-        """One step (with fault tolerance, the quorum's step, which a heal may have moved
-        past ``step``); its record says which (``"step"``, the steps done after it) and
-        whether it committed (without fault tolerance, always)."""
+    def step(self, step: int) -> dict[str, Any] | None:
+        """One step (with fault tolerance, the quorum's step, which a heal or the run's
+        newest checkpoint may have moved past ``step``); its record says which
+        (``"step"``, the steps done after it) and whether it committed (without fault
+        tolerance, always). None: this group's first quorum found the run already trained
+        to ``training.steps`` by the other groups."""
         started = time.perf_counter()
         replicas = {}
         if self.replicas is not None:
             begun = self.replicas.start_step()
             step = begun.step
-            if self._from_disk_unless_healed:
-                self._from_disk_unless_healed = False
-                if begun.healed_s is None:  # every group (re)started: the run's last save
-                    step = self.restore()
-                    self.replicas.continue_from(step)
+            if self._first_quorum:
+                self._first_quorum = False
+                if begun.healed_s is None:  # no group of the quorum was ahead of this one
+                    step = self._continue_from_disk(step)
+                    if step >= self.job.config.training.steps:
+                        return None
             replicas[REPLICAS] = begun.participants
             if begun.healed_s is not None:
                 replicas[HEAL_S] = begun.healed_s
@@ -483,7 +514,6 @@ class Trainer:
         if self.resume and self.replicas is None:
             start = self.restore()
         elif self.resume:  # read after the first quorum, unless a peer heals this group
-            self._from_disk_unless_healed = True
             start = checkpoint.checkpoint_step(self.resume_from)
         if job.is_main:
             metrics.truncate_after(job.run_dir, start)
@@ -506,6 +536,9 @@ class Trainer:
             self._stop = stop
             while done < cfg.training.steps:
                 record = self.step(done)
+                if record is None:  # its last checkpoint is the other groups'
+                    done = saved_at = cfg.training.steps
+                    break
                 if not record.get(COMMITTED, True):
                     job.emit_metrics(record)  # the step is retried with the same data
                     continue
@@ -606,6 +639,8 @@ def run_training(
         error = err
         raise
     finally:
+        if job is not None and REPLICA_GROUPS in job.state:  # torchft's threads would keep
+            job.state[REPLICA_GROUPS].shutdown()  # a failed process from exiting
         failed = plugins.teardown(job, error) if job is not None else None
         shutdown()
         if failed is not None and error is None:
