@@ -46,14 +46,17 @@ def _group_rank(index: int, count: int, rank: int, ranks: int, port: int, run_di
     torch.distributed.destroy_process_group()
 
 
-def _digest_of_save(rank: int, world: int, run_dir: str, step: int, groups: int) -> list[str]:
-    """Resume a run of ``world`` rank(s) from the fault-tolerant run's save of ``step``
-    (the same global batch: each group's sequences as micro-batches) and digest its state."""
+def _digest_of_save(rank: int, world: int, run_dir: str, step: int, groups: int,
+                    extra: list[str]) -> list[str]:  # fmt: skip
+    """Resume a run of ``world`` rank(s) (a group's layout: ``extra``) from the
+    fault-tolerant run's save of ``step`` (the same global batch: each group's sequences
+    as micro-batches) and digest this rank's state."""
     from europa.core.session import open_session
     from tests.trainer_runs import rank_trainer
 
-    overrides = ["training.batch_size=2", "training.seq_len=32",
-                 f"training.grad_accum_steps={groups}", "metrics.progress=false"]  # fmt: skip
+    micro = groups * _micro_batches(extra)
+    overrides = ["training.batch_size=2", "training.seq_len=32", *_without_accum(extra),
+                 f"training.grad_accum_steps={micro}", "metrics.progress=false"]  # fmt: skip
     config, plugins = open_session("tiny", overrides, [])
     save = Path(run_dir) / "checkpoints" / f"step-{step:08d}"
     trainer = rank_trainer(rank, world, config, plugins, Path(run_dir), save)
@@ -61,6 +64,15 @@ def _digest_of_save(rank: int, world: int, run_dir: str, step: int, groups: int)
     from europa.core.fault.state import state_digest
 
     return [state_digest(trainer.model, trainer.optimizer)]
+
+
+def _micro_batches(extra: list[str]) -> int:
+    found = [int(o.split("=")[1]) for o in extra if o.startswith("training.grad_accum_steps=")]
+    return found[0] if found else 1
+
+
+def _without_accum(extra: list[str]) -> list[str]:
+    return [o for o in extra if not o.startswith("training.grad_accum_steps=")]
 
 
 class Group:
@@ -137,8 +149,12 @@ def _wait_for_step(group: Group, step: int, timeout: float) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     ("groups", "ranks", "plugins", "extra"),
-    [(3, 1, [], []), (2, 2, ["flexshard"], ["parallel.ep=2"])],
-    ids=["core-3x1", "flexshard-ep2-2x2"],
+    [
+        (3, 1, [], []),
+        (2, 2, ["flexshard"], ["parallel.ep=2"]),
+        (2, 2, [], ["parallel.pp=2", "training.grad_accum_steps=2"]),
+    ],
+    ids=["core-3x1", "flexshard-ep2-2x2", "core-pp2-2x2"],
 )
 def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_state(
     tmp_path, lighthouse, groups, ranks, plugins, extra
@@ -180,8 +196,8 @@ def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_sta
         writer = next(
             g for g in others if (g.run_dir / "checkpoints" / f"step-{saved:08d}").is_dir()
         )
-        loaded = run_ranks(_digest_of_save, 1, str(writer.run_dir), saved, groups)[0]
-        assert loaded == digests[0][saved], saved
+        by_rank = run_ranks(_digest_of_save, ranks, str(writer.run_dir), saved, groups, extra)
+        assert [d for rank in by_rank for d in rank] == digests[0][saved], saved
     # each step trained the sequences of the groups that took part (2 × 32 tokens a rank)
     for records in survivors:
         done = [r for r in records if r["committed"]]

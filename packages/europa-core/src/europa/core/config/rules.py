@@ -51,7 +51,7 @@ TIMEOUT_LADDERS = (
 
 
 def _check_fault_tolerance(config: EuropaConfig) -> None:
-    ft, p = config.fault_tolerance, config.parallel
+    ft = config.fault_tolerance
     if not ft.enabled:
         return
     if ft.lighthouse and not is_http_host_port(ft.lighthouse):
@@ -63,8 +63,6 @@ def _check_fault_tolerance(config: EuropaConfig) -> None:
             lower, higher = unclimbed
             raise fail(f"fault_tolerance.{higher}", getattr(ft, higher),
                        f"more than fault_tolerance.{lower} ({getattr(ft, lower)})")  # fmt: skip
-    if p.pp > 1:
-        raise fail("parallel.pp", p.pp, "1 with fault_tolerance.enabled (not built yet)")
 
 
 def first_unclimbed(timings, ladder: tuple[str, ...]) -> tuple[str, str] | None:
