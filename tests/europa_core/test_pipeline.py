@@ -263,6 +263,39 @@ def test_pipeline_stages_train_as_the_whole_model_does_and_resume_across_a_chang
     }
 
 
+RECOMPUTED_STEPS = 8
+
+
+@pytest.mark.distributed
+def test_split_backward_schedules_with_recomputation_train_as_1f1b_without_it(ranks, tmp_path):
+    """ZBV and DualPipeV with every block recomputed (``recompute_once``: one recomputation
+    for the input and the weight half) against 1F1B keeping its activations, 8 steps."""
+    from tests.trainer_runs import Run, train_runs
+
+    staged = [
+        "training.seq_len=64",
+        f"training.steps={RECOMPUTED_STEPS}",
+        "parallel.pp=2",
+        "training.batch_size=4",
+        "training.grad_accum_steps=4",
+        "checkpoint.every=0",
+    ]
+    recomputed = 'activation_checkpointing.mode="full"'
+    runs = [Run("1f1b", staged)] + [
+        Run(schedule, [*staged, f'parallel.pp_schedule="{schedule}"', recomputed])
+        for schedule in ("zbv", "dualpipev")
+    ]
+    records = ranks(train_runs, 2, str(tmp_path), runs, timeout=300)[0]
+    reference = [r for r in records["1f1b"] if "loss" in r]
+    assert len(reference) == RECOMPUTED_STEPS
+    for schedule in ("zbv", "dualpipev"):
+        rows = [r for r in records[schedule] if "loss" in r]
+        for key in ("loss", "grad_norm"):
+            got, want = [r[key] for r in rows], [r[key] for r in reference]
+            worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+            assert worst <= 1e-5, (schedule, key, worst)
+
+
 def assert_sent_as_planned(run, rows, world: int) -> None:
     """Each step's ``pipeline_sent_bytes`` of ``run`` equal its plan's, pipeline rank by
     pipeline rank."""
@@ -294,10 +327,6 @@ PIPELINE_REFUSALS = [
     (["parallel.pp_layers=[2, 2]"],
      "parallel.pp_layers = [2, 2]: expected empty without pipeline stages"),
     (["parallel.pp_schedule=\"gpipe\""], "parallel.pp_schedule"),
-    (["parallel.pp=2", "parallel.pp_schedule=\"zbv\"", "training.grad_accum_steps=4",
-      "activation_checkpointing.mode=\"full\""],
-     "activation_checkpointing.mode = \"full\": expected \"none\" with parallel.pp_schedule = "
-     "\"zbv\", whose split backward recomputes each block again"),
     (["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_overlap_f_b=\"on\""],
      "parallel.pp_overlap_f_b = \"on\": expected \"auto\" or \"off\" unless parallel.pp > 1 "
      "with a schedule pairing chunks (dualpipev)"),
@@ -321,10 +350,10 @@ def test_a_technique_not_built_for_stages_is_refused_before_any_rank_starts():
 
     staged = ["parallel.pp=2", "training.grad_accum_steps=2"]
     config, plugins = open_session("tiny", staged, ["flexshard", "overlap", "offload"])
-    check_pipeline_plugins(config, plugins)  # tests/europa_core/test_pipeline_techniques.py
+    check_pipeline_plugins(config, plugins, data_ranks=2)  # test_pipeline_techniques.py
     config, plugins = open_session("tiny", staged, ["overlap"])
     with pytest.raises(ConfigError) as err:
-        check_pipeline_plugins(config, plugins)
+        check_pipeline_plugins(config, plugins, data_ranks=2)
     assert str(err.value) == (
         "parallel.pp = 2 with plugin overlap over core's FSDP2: expected flexshard beside "
         "it; FSDP2's prefetch between pipeline stage parts is not built"
@@ -338,10 +367,33 @@ def test_paired_chunks_side_by_side_without_lanes_are_refused_before_any_rank_st
 
     paired = ["parallel.pp=2", "training.grad_accum_steps=4", 'parallel.pp_schedule="dualpipev"',
               'parallel.pp_overlap_f_b="on"']  # fmt: skip
-    check_pipeline_plugins(*open_session("tiny", paired, ["flexshard"]))
+    check_pipeline_plugins(*open_session("tiny", paired, ["flexshard"]), data_ranks=1)
     with pytest.raises(ConfigError) as err:
-        check_pipeline_plugins(*open_session("tiny", paired, []))
+        check_pipeline_plugins(*open_session("tiny", paired, []), data_ranks=1)
     assert str(err.value).startswith(
         'parallel.pp_overlap_f_b = "on" without flexshard: expected a layout whose collectives'
     )
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("schedule", ["zbv", "dualpipev"])
+def test_a_split_backward_over_fsdp2s_data_ranks_is_refused_before_anything_is_written(
+    schedule, tmp_path, capfd
+):
+    """torch's weight half finds each weight by its gradient accumulator, which FSDP2's
+    sharded parameters are not (a KeyError on every rank, once training had begun)."""
+    from europa.cli.app import run
+
+    run_dir = tmp_path / "run"
+    sets = ["parallel.pp=2", "training.grad_accum_steps=4", f'parallel.pp_schedule="{schedule}"']
+    code = run(["train", "tiny", "--nproc", "4", "--run-dir", str(run_dir),
+                *(arg for key in sets for arg in ("--set", key))])  # fmt: skip
+    err = capfd.readouterr().err
+    assert code == 2, err
+    assert err.strip() == (
+        f'europa: error: parallel.pp_schedule = "{schedule}" with core\'s FSDP2 over 2 '
+        "data-parallel ranks a stage: expected -p flexshard, or one data-parallel rank a "
+        "stage; torch's split backward finds each weight by its gradient accumulator, which "
+        "FSDP2's sharded parameters are not"
+    )
+    assert not run_dir.exists()

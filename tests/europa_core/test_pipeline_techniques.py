@@ -17,6 +17,7 @@ WHOLE = [*SAME_BATCH, "training.batch_size=1", "training.grad_accum_steps=4"]
 STAGED = [*SAME_BATCH, "parallel.pp=2", "training.batch_size=2", "training.grad_accum_steps=4"]
 EP2 = ["parallel.ep=2"]
 FLEX = ["flexshard"]
+RECOMPUTED = 'activation_checkpointing.mode="full"'
 
 
 def _schedule(name: str) -> str:
@@ -69,6 +70,12 @@ def _flexshard_runs():
             FLEX,
         ),
         Run("pp2-overlap-zbv", [*staged, _schedule("zbv")], [*FLEX, "overlap"]),
+        # every block recomputed, once for both halves of the split backward, the weights
+        # gathered for that recomputation by FlexShard's backward hooks
+        *(
+            Run(f"pp2-ep2-{name}-recomputed", [*staged, *EP2, _schedule(name), RECOMPUTED], FLEX)
+            for name in ("zbv", "dualpipev")
+        ),
         # The staged checkpoint of step SAVED resumed without stages, and the other way.
         Run("ep2-from-pp2", [*whole, *EP2], FLEX, resume_from="pp2-ep2-1f1b-offload"),
         Run("pp2-from-ep2", [*staged, *EP2], FLEX, resume_from="ep2"),

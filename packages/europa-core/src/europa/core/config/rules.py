@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from europa.core.config.values import fail
-from europa.core.pipeline.kinds import SPLIT_BACKWARD, fixed_stages_per_rank, stages_per_rank
+from europa.core.pipeline.kinds import fixed_stages_per_rank, stages_per_rank
 from europa.spec.lanes import PAIRED_SCHEDULES
 
 if TYPE_CHECKING:
@@ -100,17 +100,6 @@ def _check_pipeline(config: EuropaConfig) -> None:
             p.pp_overlap_f_b,
             f'"auto" or "off" unless parallel.pp > 1 with a schedule pairing chunks '
             f"({', '.join(PAIRED_SCHEDULES)})",
-        )
-    recompute = config.extensions.get("activation_checkpointing")
-    if p.pp > 1 and p.pp_schedule in SPLIT_BACKWARD and getattr(recompute, "mode", "") == "full":
-        # Its weight half recomputes each checkpointed block a second time, with no hook of
-        # a layout's that would gather the block's weights for it.
-        raise fail(
-            "activation_checkpointing.mode",
-            recompute.mode,
-            f'"none" with parallel.pp_schedule = "{p.pp_schedule}", whose split backward '
-            "recomputes each block again for its weights' gradients, without their gathered "
-            'weights (not built); or "1f1b" or "interleaved-1f1b"',
         )
     if p.pp == 1:
         if p.pp_layers:

@@ -89,11 +89,11 @@ def preflight(
     (``config`` is a group's)."""
     import torch
 
-    mesh_shape(config.parallel, world_size)  # axes the ranks cannot hold: one line
+    _, replicas_here, shards, ep = mesh_shape(config.parallel, world_size)  # or one line
     if config.parallel.pp > 1:
         from europa.core.pipeline.runner import check_pipeline_plugins
 
-        check_pipeline_plugins(config, plugins)
+        check_pipeline_plugins(config, plugins, data_ranks=replicas_here * shards * ep)
     per_node = local_ranks if local_ranks is not None else world_size
     job = Job(config=config, run_dir=Path("."), world_size=world_size, ranks_per_node=per_node)
     check_node_layout(config.parallel, world_size, job.node_size)

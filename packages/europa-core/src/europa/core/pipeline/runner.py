@@ -193,9 +193,11 @@ class PipelineRun:
 RUN_INSIDE_STAGES = ("flexshard", "offload", "overlap")
 
 
-def check_pipeline_plugins(config, plugins) -> None:
-    """Refuse, in one line, a plugin not known to work inside pipeline stages."""
+def check_pipeline_plugins(config, plugins, data_ranks: int) -> None:
+    """Refuse, in one line, a plugin not known to work inside pipeline stages, or a layout
+    the schedule cannot run over ``data_ranks`` data-parallel ranks a stage."""
     from europa.core.errors import ConfigError
+    from europa.core.pipeline.kinds import SPLIT_BACKWARD
 
     enabled = [info.name for info in plugins.plugins() if info.enabled and not info.builtin]
     untried = [name for name in enabled if name not in RUN_INSIDE_STAGES]
@@ -211,6 +213,16 @@ def check_pipeline_plugins(config, plugins) -> None:
             'parallel.pp_overlap_f_b = "on" without flexshard: expected a layout whose '
             'collectives take lanes of their own; core\'s do not ("auto" runs paired '
             "chunks side by side where a stage has one rank)"
+        )
+    if parallel.pp_schedule in SPLIT_BACKWARD and data_ranks > 1 and "flexshard" not in enabled:
+        # torch's stage_backward_weight looks each weight up by its gradient accumulator;
+        # FSDP2's graph ran on the gathered parameters, whose accumulators are not those of
+        # the sharded parameters the stage holds (a KeyError in its weight half).
+        raise ConfigError(
+            f'parallel.pp_schedule = "{parallel.pp_schedule}" with core\'s FSDP2 over '
+            f"{data_ranks} data-parallel ranks a stage: expected -p flexshard, or one "
+            "data-parallel rank a stage; torch's split backward finds each weight by its "
+            "gradient accumulator, which FSDP2's sharded parameters are not"
         )
     if "overlap" in enabled and "flexshard" not in enabled:
         # Each stage part is an FSDP2 root of its own; FSDP2 cannot prefetch one root's

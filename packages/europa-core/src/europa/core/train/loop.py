@@ -136,7 +136,8 @@ class Trainer:
         if cfg.parallel.pp > 1:  # this rank keeps only its stages' modules
             from europa.core.pipeline import runner as pipeline
 
-            pipeline.check_pipeline_plugins(cfg, plugins)
+            _, data_ranks = data_parallel_coordinates(job.mesh)
+            pipeline.check_pipeline_plugins(cfg, plugins, data_ranks=data_ranks)
             model, stage_names = keep_rank_stages(job, model)
         self.data_group = data_group(job.mesh)
         init_matrix = self._initialiser(model)  # full shapes: before sharding
