@@ -99,3 +99,33 @@ def test_a_forward_that_does_other_work_when_recomputed_is_an_error():
     out = checkpoint_once(changing, x)
     with pytest.raises(RuntimeError, match="saved 2 tensors where the forward saved 1"):
         out.sum().backward()
+
+
+def test_the_blocks_inputs_are_saved_through_the_hooks_around_it():
+    """As europa-offload's hooks take what a checkpointed block saves (its inputs) to host
+    memory, they take what recompute_once keeps: the block's inputs, and nothing else."""
+    torch.manual_seed(0)
+    block = Block(4)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    packed, unpacked = [], []
+
+    def pack(tensor):
+        packed.append(tensor)
+        return tensor.clone()  # a copy elsewhere, as offload's host buffer is
+
+    def unpack(copy):
+        unpacked.append(copy)
+        return copy
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = _once(block, x)
+    assert [t is x for t in packed] == [True]
+    _split_backward_from(out, block, x)
+    assert len(unpacked) == 1  # read back once, for the one recomputation
+    assert block.forwards == 2
+
+
+def _split_backward_from(out, block, x):
+    grad = torch.ones_like(out)
+    torch.autograd.grad(out, x, grad, retain_graph=True)
+    torch.autograd.grad(out, list(block.parameters()), grad)

@@ -28,9 +28,30 @@ def checkpoint_once(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return fn(*args, **kwargs)
 
 
+_TENSOR = object()  # where a tensor input stood among the arguments
+
+
+class _SavedInputs(torch.autograd.Function):
+    """Saves a block's tensor inputs as every saved tensor is saved, so that hooks around
+    the block (europa-offload's) move them too; its output is the handle to them."""
+
+    @staticmethod
+    def forward(ctx, anchor: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*tensors)
+        return anchor.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor) -> None:
+        raise AssertionError("the saved inputs' handle is never differentiated")
+
+
 class _Recomputation:
     def __init__(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> None:
-        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.fn, self.kwargs = fn, kwargs
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        self.wants_grad = [t.requires_grad for t in tensors]
+        self.args = [_TENSOR if isinstance(a, torch.Tensor) else a for a in args]
+        self.inputs = _SavedInputs.apply(torch.empty(0, requires_grad=True), *tensors)
         self.packed: list[tuple[torch.Size, torch.dtype]] = []  # what forward saved, in order
         self.saved: list[torch.Tensor] | None = None
         self.device = next(
@@ -63,10 +84,11 @@ class _Recomputation:
         def never(_: None) -> None:  # the recomputation's own graph is never run backward
             raise AssertionError("unreachable")
 
-        inputs = [
-            a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
-            for a in self.args
-        ]
+        tensors = iter(
+            t.detach().requires_grad_(grad)
+            for t, grad in zip(self.inputs.grad_fn.saved_tensors, self.wants_grad, strict=True)
+        )
+        inputs = [next(tensors) if a is _TENSOR else a for a in self.args]
         devices = [self.device] if self.device_rng is not None else []
         with ExitStack() as stack:
             stack.enter_context(torch.random.fork_rng(devices=devices))
