@@ -15,7 +15,10 @@ split backward a third. The first stage's input is tokens, which take no gradien
 when asked for the weights').
 
 A micro-batch's activations are held from a stage's forward to the end of its backward
-(``B``, or ``W``: the weights' gradient reads most of what the forward saved).
+(``B``, or ``W``: the weights' gradient reads most of what the forward saved). A split
+backward of recomputed blocks (europa's ``recompute_once``) also holds, from its ``I`` to
+its ``W``, what it recomputed there, except on the first stage, whose recomputation runs
+inside its ``W``.
 
 Paired chunks (DualPipeV's ``OVERLAP_F_B``: a forward and another stage's backward) are
 one action to torch: their outputs leave when both parts are done. They run in turn, as
@@ -58,12 +61,15 @@ def simulate(
     transfer_s: Callable[[int, int], float],
     held_bytes: Callable[[int], float] = lambda stage: 0.0,
     exchange_s: Callable[[int], float] | None = None,
+    recomputed_bytes: Callable[[int], float] = lambda stage: 0.0,
 ) -> Simulation:
     """Play the ranks' ``orders`` out. ``compute_s(stage)``: one micro-batch's forward and
     backward on that stage; ``transfer_s(from_stage, to_stage)``: a hidden state or its
     gradient between those stages (0 on one rank); ``held_bytes(stage)``: one
     micro-batch's saved activations there; ``exchange_s(stage)``: the exposed expert
-    exchange within ``compute_s(stage)`` (None: paired chunks run in turn)."""
+    exchange within ``compute_s(stage)`` (None: paired chunks run in turn);
+    ``recomputed_bytes(stage)``: what one micro-batch's ``I`` recomputes there and its
+    ``W`` releases."""
     rank_of = {a.stage: r for r, order in orders.items() for a in order}
     last = max(rank_of)
     done: dict[tuple[int, str, int], float] = {}
@@ -95,11 +101,17 @@ def simulate(
                 busy[r] += work
                 for a in together:
                     done[a.stage, a.kind, a.micro] = clock[r]
+                    recomputed = recomputed_bytes(a.stage) if a.stage else 0.0
                     if a.kind == FORWARD:
                         held[r] += held_bytes(a.stage)
                         peak[r] = max(peak[r], held[r])
-                    elif a.kind in (BACKWARD, WEIGHT_GRAD):
+                    elif a.kind == INPUT_GRAD:
+                        held[r] += recomputed
+                        peak[r] = max(peak[r], held[r])
+                    elif a.kind == BACKWARD:
                         held[r] -= held_bytes(a.stage)
+                    elif a.kind == WEIGHT_GRAD:
+                        held[r] -= held_bytes(a.stage) + recomputed
                 position[r] += len(together)
                 remaining -= len(together)
                 progressed = True

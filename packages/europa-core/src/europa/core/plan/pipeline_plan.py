@@ -31,7 +31,7 @@ from pathlib import Path
 
 from europa.core.job import Job
 from europa.core.pipeline.cut import EMBEDDING, HEAD
-from europa.core.pipeline.kinds import STAGE_SEND_KIND, stages_per_rank
+from europa.core.pipeline.kinds import SPLIT_BACKWARD, STAGE_SEND_KIND, stages_per_rank
 from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
 from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_activations
 from europa.core.plan.checkpoint_cost import write_seconds
@@ -77,11 +77,20 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     shapes_of = {r: shapes.subset(modules) for r, modules in modules_of.items()}
     plugin_plans = {}
     per_stage = {}  # one micro-batch's saved activations, by stage
+    recomputed = {}  # what a split backward's I recomputes and keeps to its W, by stage
     for r, stages in held_by.items():
         plugin_plans[r] = plan = plugin_plan(job, plugins, shapes_of[r], hardware=hardware)
         for s in stages:
-            per_stage[s] = stage_activations(alone, hardware, plan, _blocks(names[s]))[mode]
-    held_device = _held(orders, lambda s: per_stage[s].device - per_stage[s].recompute)
+            by_mode = stage_activations(alone, hardware, plan, _blocks(names[s]))
+            per_stage[s] = by_mode[mode]
+            recomputed[s] = sum(b for n, b in by_mode["none"].per_block.items() if n != ROOT)
+    if not (mode == "full" and parallel.pp_schedule in SPLIT_BACKWARD):
+        recomputed = {}
+    held_device = _held(
+        orders,
+        lambda s: per_stage[s].device - per_stage[s].recompute,
+        lambda s: recomputed.get(s, 0),  # on the device: offload moves what forward saves
+    )
     held_host = _held(orders, lambda s: per_stage[s].host)
 
     plans = {}
@@ -194,10 +203,11 @@ def _itemsize(training) -> int:
     return 2 if training.dtype == "bfloat16" else 4
 
 
-def _held(orders, held_bytes) -> Simulation:
+def _held(orders, held_bytes, recomputed_bytes=lambda stage: 0) -> Simulation:
     """The order played out with unit compute: what each rank holds does not depend on
     when its actions run, only on their order."""
-    return simulate(orders, lambda s: 1.0, lambda a, b: 0.0, held_bytes)
+    return simulate(orders, lambda s: 1.0, lambda a, b: 0.0, held_bytes,
+                    recomputed_bytes=recomputed_bytes)  # fmt: skip
 
 
 def _in_micro_batches(held: float, stages, per_stage) -> float:
