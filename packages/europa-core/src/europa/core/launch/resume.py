@@ -134,11 +134,9 @@ def _choosing_c10d(params: RendezvousParameters) -> RendezvousHandler:
         params.local_addr,
         **configs,
     )
-    from europa.core.launch.stores import is_loopback_endpoint, loopback_rendezvous
+    from europa.core.launch.stores import bound_rendezvous
 
-    if is_loopback_endpoint(params.endpoint):  # one machine: its stores on loopback alone
-        return _ChoosingRendezvous(loopback_rendezvous(inner), choice)
-    return _ChoosingRendezvous(rendezvous_handler_registry.create_handler(inner), choice)
+    return _ChoosingRendezvous(bound_rendezvous(inner), choice)
 
 
 rendezvous_handler_registry.register(RENDEZVOUS_BACKEND, _choosing_c10d)
