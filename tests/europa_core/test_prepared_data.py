@@ -349,3 +349,24 @@ def test_validation_from_both_a_path_and_a_fraction_is_refused(text_corpus, tmp_
     )
     with pytest.raises(ConfigError, match=r"^data.validation_fraction = 0.1: expected 0 when"):
         build_batches(config, dp_rank=0, dp_world=1, run_dir=tmp_path)
+
+
+def _open_embedded(run_dir: str) -> str:
+    from europa.core.data.corpora import CorpusOpener
+
+    return str(CorpusOpener("", "text", Path(run_dir), build=True).open("", "data.path").path)
+
+
+def test_jobs_sharing_a_cache_prepare_its_text_one_at_a_time(tmp_path):
+    """The replica groups of a fault-tolerant run, started at once by a batch system, each
+    prepare the run's text into the cache they share: they take turns, and the later ones
+    find it prepared (at once, they wrote the same staged files: FileNotFoundError)."""
+    from tests.conftest import _context
+
+    with _context().Pool(3) as pool:
+        folders = pool.map(_open_embedded, [str(tmp_path)] * 3)
+    assert len(set(folders)) == 1
+    assert [p.name for p in (tmp_path / "cache").glob("text-*") if p.is_dir()] == [
+        Path(folders[0]).name
+    ]
+    assert not list(Path(folders[0]).glob("*.partial"))

@@ -92,3 +92,60 @@ def test_two_nodes_listen_on_their_own_addresses_alone(tmp_path, two_nodes):
             launcher.kill()
             launcher.wait(30)
         subprocess.run(["pkill", "-f", str(run_dir)], capture_output=True)
+
+
+def test_fault_tolerant_groups_on_two_nodes_listen_on_their_own_addresses_alone(
+    tmp_path, two_nodes
+):
+    """A Lighthouse on node 0's address, a replica group on each node (one rank each):
+    each group's torchft manager server listens on its node's address toward the
+    Lighthouse, which it advertises, not on every interface."""
+    run_dir, port = tmp_path / "run", 29518
+    lighthouse = f"http://{ADDRESSES[0]}:{port}"
+    server = ["ip", "netns", "exec", NAMESPACES[0], sys.executable, "-m", "europa.cli",
+              "lighthouse", "--bind", f"{ADDRESSES[0]}:{port}", "--min-replicas", "2"]  # fmt: skip
+    ft = [f'fault_tolerance.lighthouse="{lighthouse}"', "fault_tolerance.enabled=true",
+          "parallel.dp_replicate=2", "training.steps=400", "training.seq_len=32",
+          "training.batch_size=2", "metrics.progress=false"]  # fmt: skip
+    group = [sys.executable, "-m", "europa.cli", "train", "tiny", "--nproc", "1",
+             "--run-dir", str(run_dir), *(arg for key in ft for arg in ("--set", key))]  # fmt: skip
+    started = []
+    try:
+        quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+        started.append(subprocess.Popen(server, **quiet))
+        deadline = time.monotonic() + 60
+        while f"{ADDRESSES[0]}:{port}" not in _listening_in(started[0].pid).values():
+            assert started[0].poll() is None and time.monotonic() < deadline, "no Lighthouse"
+            time.sleep(0.1)
+        for node in (0, 1):
+            env = {**os.environ, "GLOO_SOCKET_IFNAME": DEVICES[node]}
+            where = ["ip", "netns", "exec", NAMESPACES[node]]
+            command = [*where, *group, "--replica-group", str(node)]
+            log = (tmp_path / f"group{node}.log").open("w")
+            started.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+        deadline = time.monotonic() + 150
+        while not all(_committed(run_dir / f"replica-{g}" / "metrics.jsonl") for g in (0, 1)):
+            for node, process in enumerate(started[1:]):
+                assert process.poll() is None, (tmp_path / f"group{node}.log").read_text()
+            assert time.monotonic() < deadline, "the groups did not both step within 150 s"
+            time.sleep(0.2)
+        for node, process in enumerate(started[1:]):
+            pids = _descendants(process.pid)
+            listening = _listening_in(process.pid)
+            ours = {listening[i] for i in _sockets_of(pids) if i in listening}
+            assert ours, f"group {node} listens nowhere: the test sees none of its sockets"
+            wide = sorted(a for a in ours if a.rsplit(":", 1)[0] in WILDCARDS)
+            assert not wide, f"group {node} listens on every interface: {wide} ({sorted(ours)})"
+            hosts = {a.rsplit(":", 1)[0] for a in ours}
+            assert hosts <= {ADDRESSES[node], "127.0.0.1"}, (node, sorted(ours))
+    finally:
+        for process in started:
+            process.kill()
+            process.wait(30)
+        subprocess.run(["pkill", "-f", str(run_dir)], capture_output=True)
+
+
+def _committed(metrics: Path) -> bool:
+    """Both groups in a committed step: each has healed or stepped with the other."""
+    lines = metrics.read_text().splitlines() if metrics.is_file() else []
+    return any('"replicas": 2' in line and '"committed": true' in line for line in lines)

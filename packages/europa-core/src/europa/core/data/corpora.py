@@ -4,8 +4,11 @@ other ranks open it), the embedded corpus when the setting is empty."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
@@ -64,13 +67,29 @@ class CorpusOpener:
                     f"{key} = '{value}': no prepared copy in '{folder}'; expected rank 0 to "
                     "prepare it before the other ranks open it"
                 )
-            prepare_corpus(
-                inputs,
-                folder,
-                tokenizer=self.tokenizer_setting or None,
-                text_field=self.text_field,
-                input_key=key,
-                tokenizer_key="data.tokenizer",
-                out_key=f"{key} (cache)",
-            )
+            with _alone_in(folder.with_name(f"{folder.name}.lock")):
+                if not is_prepared(folder):  # another job prepared it while this one waited
+                    prepare_corpus(
+                        inputs,
+                        folder,
+                        tokenizer=self.tokenizer_setting or None,
+                        text_field=self.text_field,
+                        input_key=key,
+                        tokenizer_key="data.tokenizer",
+                        out_key=f"{key} (cache)",
+                    )
         return PreparedCorpus(folder, key)
+
+
+@contextmanager
+def _alone_in(lock: Path) -> Iterator[None]:
+    """An exclusive lock on ``lock``: jobs sharing a cache (the replica groups of a
+    fault-tolerant run, each started by the batch system at once) prepare a corpus one at
+    a time, and the later ones find it prepared."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)

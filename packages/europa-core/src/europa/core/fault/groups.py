@@ -72,10 +72,10 @@ class TorchftReplicaGroups:
         self._left = False
         self._load_state = load_state
         step = timedelta(seconds=ft.step_timeout_s)
-        store = group_store_address()
+        host = advertised_host(ft.lighthouse)
+        store = self._store_reached_at(host, group_rank)
         self._pg = ProcessGroupGloo(timeout=timedelta(seconds=ft.process_group_timeout_s))
         transport = PGTransport(self._pg, timeout=step, device=torch.device("cpu"))
-        host = advertised_host(ft.lighthouse)
         with _manager_server_bound_to(host):
             self.manager = Manager(
                 pg=self._pg,
@@ -96,6 +96,26 @@ class TorchftReplicaGroups:
                 checkpoint_transport=transport,
                 init_sync=True,
             )
+
+    def _store_reached_at(self, host: str, group_rank: int) -> tuple[str, int]:
+        """The store torchft's cross-group process groups meet at, which the other groups
+        must reach: the group's own where it listens on ``host`` (one machine: loopback),
+        else one this group's rank 0 hosts on ``host`` alone, its port shared with the
+        group's ranks."""
+        own = group_store_address()
+        if own[0] == host:
+            return own
+        import torch.distributed as dist
+
+        from europa.core.launch.stores import store_server
+
+        port = [None]
+        if group_rank == 0:
+            self._replica_store = store_server(host, 0)  # held: the groups meet there
+            port = [self._replica_store.port]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(port, src=0)
+        return host, int(port[0])
 
     def _healing(self, state: dict) -> None:
         self._load_state(state)
@@ -159,20 +179,18 @@ class TorchftReplicaGroups:
 
 @contextmanager
 def _manager_server_bound_to(host: str) -> Iterator[None]:
-    """torchft 0.2.0 binds a group's manager server to every interface (``[::]``); on one
-    machine (a Lighthouse on loopback) it listens on loopback only, as every other server
-    of a run here does."""
+    """torchft 0.2.0 binds a group's manager server to every interface (``[::]``); it
+    listens on ``host`` alone (the address it advertises), as every other server of a run
+    here does."""
     import torchft.manager as module
 
-    if host != "127.0.0.1":
-        yield
-        return
     original = module.ManagerServer
+    where = f"[{host}]" if ":" in host else host
 
-    def on_loopback(*args, bind: str, **kwargs):
-        return original(*args, bind=bind.replace("[::]", host, 1), **kwargs)
+    def on_host(*args, bind: str, **kwargs):
+        return original(*args, bind=bind.replace("[::]", where, 1), **kwargs)
 
-    module.ManagerServer = on_loopback
+    module.ManagerServer = on_host
     try:
         yield
     finally:
@@ -194,10 +212,13 @@ def group_store_address() -> tuple[str, int]:
 
 def advertised_host(lighthouse: str) -> str:
     """The address other groups reach this group's manager at: loopback when the
-    Lighthouse is (one machine), else this host's name."""
-    import socket
+    Lighthouse is (one machine), else this machine's address toward the Lighthouse."""
     from urllib.parse import urlsplit
 
-    from europa.core.launch.stores import is_loopback
+    from europa.core.launch.stores import address_toward, is_loopback
 
-    return "127.0.0.1" if is_loopback(urlsplit(lighthouse).hostname or "") else socket.gethostname()
+    where = urlsplit(lighthouse)
+    if is_loopback(where.hostname or ""):
+        return "127.0.0.1"
+    host = f"[{where.hostname}]" if ":" in (where.hostname or "") else where.hostname
+    return address_toward(f"{host}:{where.port}")
