@@ -17,6 +17,8 @@ from europa.core.data.shards import FORMAT, PreparedCorpus, is_prepared, tokeniz
 from europa.core.data.tokenizer import load_tokenizer
 from europa.core.run_dir import CACHE
 
+PREPARING = ".preparing.lock"  # hidden: the cache's text-* are its prepared corpora
+
 
 def embedded_corpus_file() -> Path:
     return Path(str(resources.files(ASSETS_PACKAGE).joinpath("corpus.txt")))
@@ -67,7 +69,7 @@ class CorpusOpener:
                     f"{key} = '{value}': no prepared copy in '{folder}'; expected rank 0 to "
                     "prepare it before the other ranks open it"
                 )
-            with _alone_in(folder.with_name(f"{folder.name}.lock")):
+            with _alone_in(self.cache / PREPARING):
                 if not is_prepared(folder):  # another job prepared it while this one waited
                     prepare_corpus(
                         inputs,
