@@ -184,6 +184,20 @@ def test_a_killed_europa_train_leaves_no_process_of_its_run(tmp_path):
             launcher.kill()
 
 
+def _kill_group_1s_worker_once_both_reach(run_dir: Path, launcher: EuropaProcess,
+                                          step: int) -> None:  # fmt: skip
+    """SIGKILL to group 1's worker (spawned by --max-restarts) once both groups committed
+    ``step``."""
+    _wait_for_both(run_dir, launcher, step, timeout=120)
+    (worker,) = [
+        pid
+        for pid in _processes_of(run_dir)
+        if b"replica-1" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        and b"europa.core.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    os.kill(worker, signal.SIGKILL)
+
+
 @pytest.mark.distributed
 def test_a_killed_group_restarts_heals_and_the_run_ends_whole(tmp_path):
     run_dir, steps = tmp_path / "run", 30
@@ -192,14 +206,7 @@ def test_a_killed_group_restarts_heals_and_the_run_ends_whole(tmp_path):
     launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "2", *BOTH,
                       "--set", f"training.steps={steps}")  # fmt: skip
     try:
-        _wait_for_both(run_dir, launcher, 8, timeout=120)
-        (worker,) = [
-            pid
-            for pid in _processes_of(run_dir)
-            if b"replica-1" in Path(f"/proc/{pid}/cmdline").read_bytes()
-            and b"europa.core.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
-        os.kill(worker, signal.SIGKILL)
+        _kill_group_1s_worker_once_both_reach(run_dir, launcher, step=8)
         assert launcher.wait(180) == 0, launcher.stderr_path.read_text()
     finally:
         if launcher.poll() is None:
@@ -220,14 +227,7 @@ def test_a_group_restarted_after_the_others_finished_leaves_their_run_as_it_is(t
     shorter = ["--set", f"training.steps={steps}", "--set", "checkpoint.every=5"]
     launcher = _train(run_dir, tmp_path / "err", "--max-restarts", "1", *shorter)
     try:
-        _wait_for_both(run_dir, launcher, 8, timeout=120)
-        (worker,) = [
-            pid
-            for pid in _processes_of(run_dir)
-            if b"replica-1" in Path(f"/proc/{pid}/cmdline").read_bytes()
-            and b"europa.core.launch.worker" in Path(f"/proc/{pid}/cmdline").read_bytes()
-        ]
-        os.kill(worker, signal.SIGKILL)
+        _kill_group_1s_worker_once_both_reach(run_dir, launcher, step=8)
         assert launcher.wait(180) == 0, launcher.stderr_path.read_text()
     finally:
         if launcher.poll() is None:

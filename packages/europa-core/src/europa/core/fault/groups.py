@@ -220,5 +220,4 @@ def advertised_host(lighthouse: str) -> str:
     where = urlsplit(lighthouse)
     if is_loopback(where.hostname or ""):
         return "127.0.0.1"
-    host = f"[{where.hostname}]" if ":" in (where.hostname or "") else where.hostname
-    return address_toward(f"{host}:{where.port}")
+    return address_toward(where.hostname, where.port)

@@ -51,7 +51,7 @@ from europa.core.launch.resume import (
     is_restart,
     resumes,
 )
-from europa.core.launch.stores import address_toward, is_loopback_endpoint
+from europa.core.launch.stores import address_toward, endpoint_address, is_loopback_endpoint
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
@@ -375,7 +375,11 @@ def launch_local_workers(
         # the workers' store and MASTER_ADDR: loopback when the rendezvous is, else this
         # node's address toward it (torch's default is the host's name, which may not
         # resolve to an address the other nodes reach)
-        local_addr="127.0.0.1" if is_loopback_endpoint(endpoint) else address_toward(endpoint),
+        local_addr=(
+            "127.0.0.1"
+            if is_loopback_endpoint(endpoint)
+            else address_toward(*endpoint_address(endpoint))
+        ),
         rdzv_configs=choice.rendezvous_configs(nodes.rdzv_configs()),
         max_restarts=nodes.max_restarts,
         monitor_interval=0.1,

@@ -25,11 +25,16 @@ def is_loopback(host: str) -> bool:
     return host in LOOPBACK
 
 
-def is_loopback_endpoint(endpoint: str) -> bool:
-    """Whether a rendezvous endpoint (``host:port``, as torch parses it) is on loopback."""
+def endpoint_address(endpoint: str) -> tuple[str, int]:
+    """A rendezvous endpoint's (host, port), as torch parses ``host:port``."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    return is_loopback(parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)[0])
+    return parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a rendezvous endpoint is on loopback."""
+    return is_loopback(endpoint_address(endpoint)[0])
 
 
 def store_server(host: str, port: int = 0, **options) -> dist.TCPStore:
@@ -61,12 +66,9 @@ def host_or_join(host: str, port: int, **options) -> dist.TCPStore:
     return dist.TCPStore(host, port, is_master=False, **options)
 
 
-def address_toward(endpoint: str) -> str:
-    """This machine's address on the interface that reaches the rendezvous endpoint's host
-    (that host itself on the machine that holds it); no packet is sent."""
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-
-    host, port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
+def address_toward(host: str, port: int) -> str:
+    """This machine's address on the interface that reaches ``host`` (that host itself on
+    the machine that holds it); no packet is sent."""
     family, kind, _, _, where = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
     with socket.socket(family, kind) as probe:
         probe.connect(where)
@@ -81,9 +83,8 @@ def bound_rendezvous(params):
         C10dRendezvousBackend,
     )
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+    host, port = endpoint_address(params.endpoint)
     timeout = timedelta(seconds=params.get_as_int("read_timeout", 60))
     store = host_or_join(host, port, multi_tenant=True, timeout=timeout)
     handler = create_handler(store, C10dRendezvousBackend(store, params.run_id), params)

@@ -78,14 +78,14 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
     plugin_plans = {}
     per_stage = {}  # one micro-batch's saved activations, by stage
     recomputed = {}  # what a split backward's I recomputes and keeps to its W, by stage
+    split_recomputed = mode == "full" and parallel.pp_schedule in SPLIT_BACKWARD
     for r, stages in held_by.items():
         plugin_plans[r] = plan = plugin_plan(job, plugins, shapes_of[r], hardware=hardware)
         for s in stages:
             by_mode = stage_activations(alone, hardware, plan, _blocks(names[s]))
             per_stage[s] = by_mode[mode]
-            recomputed[s] = sum(b for n, b in by_mode["none"].per_block.items() if n != ROOT)
-    if not (mode == "full" and parallel.pp_schedule in SPLIT_BACKWARD):
-        recomputed = {}
+            if split_recomputed:
+                recomputed[s] = sum(b for n, b in by_mode["none"].per_block.items() if n != ROOT)
     held_device = _held(
         orders,
         lambda s: per_stage[s].device - per_stage[s].recompute,

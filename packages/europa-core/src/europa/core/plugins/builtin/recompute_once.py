@@ -54,9 +54,7 @@ class _Recomputation:
         self.inputs = _SavedInputs.apply(torch.empty(0, requires_grad=True), *tensors)
         self.packed: list[tuple[torch.Size, torch.dtype]] = []  # what forward saved, in order
         self.saved: list[torch.Tensor] | None = None
-        self.device = next(
-            (a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu")
-        )
+        self.device = tensors[0].device if tensors else torch.device("cpu")
         self.cpu_rng = torch.get_rng_state()
         self.device_rng = (
             torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
