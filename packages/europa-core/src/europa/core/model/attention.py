@@ -40,12 +40,25 @@ def chunk_bounds(seq_len: int, chunks: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(edges))
 
 
-def _diagonal_mask(start: int, end: int, like: torch.Tensor) -> torch.Tensor:
-    """Additive mask (rows start..end, keys 0..end): -inf where a key follows its query."""
-    rows = torch.arange(start, end, device=like.device).unsqueeze(1)
-    keys = torch.arange(end, device=like.device).unsqueeze(0)
-    mask = torch.zeros(end - start, end, dtype=like.dtype, device=like.device)
-    return mask.masked_fill_(keys > rows, float("-inf"))
+def causal_blocks(segments, chunks: int) -> list[tuple[int, int, int]]:
+    """Query blocks of a causal attention whose query rows are runs of consecutive positions:
+    ``segments`` holds (first row, first position, rows) of each run; each run is cut into
+    ``chunks`` blocks. A block is (start row, end row, key end): its rows are positions
+    key end - rows .. key end, and it attends to keys 0..key end."""
+    return [
+        (first_row + start, first_row + end, first_position + end)
+        for first_row, first_position, rows in segments
+        for start, end in chunk_bounds(rows, chunks)
+    ]
+
+
+def _diagonal_mask(rows: int, key_end: int, like: torch.Tensor) -> torch.Tensor:
+    """Additive mask (the ``rows`` positions before key_end, keys 0..key_end): -inf where a
+    key follows its query."""
+    positions = torch.arange(key_end - rows, key_end, device=like.device).unsqueeze(1)
+    keys = torch.arange(key_end, device=like.device).unsqueeze(0)
+    mask = torch.zeros(rows, key_end, dtype=like.dtype, device=like.device)
+    return mask.masked_fill_(keys > positions, float("-inf"))
 
 
 def _head_major(t: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -72,13 +85,14 @@ def _attend(k, v, query_block, out_BLNH, scale: float, bounds, logit_max=None):
     into ``out_BLNH``, and its scores' maxima into ``logit_max`` (a ``LogitMax``), if
     given. Returns the blocks' queries and probabilities (saved for backward)."""
     queries, probabilities = [], []
-    for start, end in bounds:
+    for start, end, key_end in bounds:
         q = query_block(start, end)
-        scores = torch.baddbmm(_diagonal_mask(start, end, q), q, k[:, :end].mT, alpha=scale)
+        mask = _diagonal_mask(end - start, key_end, q)
+        scores = torch.baddbmm(mask, q, k[:, :key_end].mT, alpha=scale)
         if logit_max is not None:
             logit_max.observe(scores, out_BLNH.size(0))
         probs = scores.softmax(dim=-1)
-        _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :end]))
+        _write_rows(out_BLNH, start, torch.bmm(probs, v[:, :key_end]))
         queries.append(q)
         probabilities.append(probs)
     return queries, probabilities
@@ -87,21 +101,24 @@ def _attend(k, v, query_block, out_BLNH, scale: float, bounds, logit_max=None):
 def _attend_backward(k, v, queries, probabilities, grad_out_BLNH, write_grad_q, scale, bounds):
     """Backward over the query blocks, last first: each block's query gradient (head-major,
     scaled) goes to ``write_grad_q(start, grad_q)``; returns the head-major key (scaled) and
-    value gradients. The last block sees every key, so it writes them whole (no zero fill);
-    the earlier ones add their products over a key prefix onto them."""
+    value gradients. A last block that sees every key writes them whole (no zero fill); the
+    other blocks add their products over a key prefix onto them."""
     grad_k = grad_v = None
-    for (start, end), q, probs in reversed(list(zip(bounds, queries, probabilities, strict=True))):
+    blocks = reversed(list(zip(bounds, queries, probabilities, strict=True)))
+    for (start, end, key_end), q, probs in blocks:
         grad_block = _head_major(grad_out_BLNH, start, end)
-        grad_probs = torch.bmm(grad_block, v[:, :end].mT)
+        grad_probs = torch.bmm(grad_block, v[:, :key_end].mT)
         # softmax backward, dS = P * (dP - rowsum(P * dP)), in one fused pass
         grad_scores = torch._softmax_backward_data(grad_probs, probs, -1, probs.dtype)
-        write_grad_q(start, torch.bmm(grad_scores, k[:, :end]).mul_(scale))
-        if grad_k is None:
+        write_grad_q(start, torch.bmm(grad_scores, k[:, :key_end]).mul_(scale))
+        if grad_k is None and key_end == k.size(1):
             grad_v = torch.bmm(probs.mT, grad_block)
             grad_k = torch.bmm(grad_scores.mT, q)
-        else:
-            grad_v[:, :end].add_(torch.bmm(probs.mT, grad_block))
-            grad_k[:, :end].add_(torch.bmm(grad_scores.mT, q))
+            continue
+        if grad_k is None:  # only context parallelism's queries miss the last keys
+            grad_k, grad_v = torch.zeros_like(k), torch.zeros_like(v)
+        grad_v[:, :key_end].add_(torch.bmm(probs.mT, grad_block))
+        grad_k[:, :key_end].add_(torch.bmm(grad_scores.mT, q))
     return grad_k.mul_(scale), grad_v
 
 
@@ -174,7 +191,7 @@ class _BlockCausalMLA(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds, logit_max):
-        batch, seq_len, heads, _ = kv_BLNF.shape
+        batch, seq_len, heads, _ = kv_BLNF.shape  # keys' length; q may hold fewer rows
         rope = k_pe_BL1R.size(-1)
         k = torch.empty(
             batch, heads, seq_len, nope + rope, dtype=torch.float32, device=kv_BLNF.device
@@ -183,7 +200,7 @@ class _BlockCausalMLA(torch.autograd.Function):
         k[..., nope:].copy_(k_pe_BL1R.transpose(1, 2).expand(batch, heads, seq_len, rope))
         k = k.view(batch * heads, seq_len, nope + rope)
         v = _head_major(kv_BLNF[..., nope:], 0, seq_len)
-        out_BLNH = kv_BLNF.new_empty(batch, seq_len, heads, v.size(-1))
+        out_BLNH = kv_BLNF.new_empty(batch, q_BLNQ.size(1), heads, v.size(-1))
 
         def query_block(start: int, end: int) -> torch.Tensor:
             rows = q_BLNQ[:, start:end]
@@ -205,6 +222,7 @@ class _BlockCausalMLA(torch.autograd.Function):
         ctx.save_for_backward(k, v, rope_cache, *queries, *probabilities)
         ctx.scale, ctx.bounds, ctx.nope = scale, bounds, nope
         ctx.dtypes = (q_BLNQ.dtype, kv_BLNF.dtype, k_pe_BL1R.dtype)
+        ctx.k_pe_heads = k_pe_BL1R.size(2)
         return out_BLNH
 
     @staticmethod
@@ -212,8 +230,8 @@ class _BlockCausalMLA(torch.autograd.Function):
         k, v, rope_cache, *saved = ctx.saved_tensors
         blocks, nope = len(ctx.bounds), ctx.nope
         q_dtype, kv_dtype, k_pe_dtype = ctx.dtypes
-        batch, seq_len, heads, _ = grad_out_BLNH.shape
-        grad_q = grad_out_BLNH.new_empty((batch, seq_len, heads, k.size(-1)), dtype=q_dtype)
+        batch, q_len, heads, _ = grad_out_BLNH.shape
+        grad_q = grad_out_BLNH.new_empty((batch, q_len, heads, k.size(-1)), dtype=q_dtype)
         unrotation = rope_cache.conj()
 
         def write_grad_q(start: int, block: torch.Tensor) -> None:
@@ -236,11 +254,13 @@ class _BlockCausalMLA(torch.autograd.Function):
         )
         grad_k = _sequence_major(grad_k, batch, heads)
         grad_kv = grad_out_BLNH.new_empty(
-            (batch, seq_len, heads, nope + grad_v.size(-1)), dtype=kv_dtype
+            (batch, grad_k.size(1), heads, nope + grad_v.size(-1)), dtype=kv_dtype
         )
         grad_kv[..., :nope].copy_(grad_k[..., :nope])
         grad_kv[..., nope:].copy_(_sequence_major(grad_v, batch, heads))
-        grad_k_pe = grad_k[..., nope:].to(k_pe_dtype).sum(dim=2, keepdim=True)
+        grad_k_pe = grad_k[..., nope:].to(k_pe_dtype)
+        if ctx.k_pe_heads == 1:  # one rotary key shared by every head
+            grad_k_pe = grad_k_pe.sum(dim=2, keepdim=True)
         return grad_q, grad_kv, grad_k_pe, None, None, None, None, None
 
 
@@ -270,7 +290,7 @@ class BlockCausalAttention(Module):
             raise ValueError("BlockCausalAttention computes plain causal attention only")
         scale = q_BLNH.size(-1) ** -0.5 if scale is None else scale
         # fp32 arithmetic whatever the compute dtype, as SDPA's CPU path does
-        bounds = chunk_bounds(q_BLNH.size(1), self.chunks)
+        bounds = causal_blocks([(0, 0, q_BLNH.size(1))], self.chunks)
         return _BlockCausal.apply(q_BLNH, k_BLNH, v_BLNH, scale, bounds, recorder(self))
 
     def mla(
@@ -282,11 +302,15 @@ class BlockCausalAttention(Module):
         *,
         nope: int,
         scale: float,
+        segments=None,
     ) -> torch.Tensor:
         """Causal MLA attention from its parts (``_BlockCausalMLA``): q with its last R
         columns not yet rotated by ``rope_cache``, kv as wkv_b gives it (``nope`` key
-        columns, then the values), k_pe rotated and shared by the heads."""
-        bounds = chunk_bounds(q_BLNQ.size(1), self.chunks)
+        columns, then the values), k_pe rotated and shared by the heads (or one per head).
+        ``segments`` (``causal_blocks``) places q's rows among the keys' positions; by
+        default q and the keys are the same positions."""
+        segments = [(0, 0, q_BLNQ.size(1))] if segments is None else segments
+        bounds = causal_blocks(segments, self.chunks)
         return _BlockCausalMLA.apply(
             q_BLNQ, kv_BLNF, k_pe_BL1R, rope_cache, nope, scale, bounds, recorder(self)
         )

@@ -18,10 +18,14 @@ from dataclasses import dataclass
 import torch
 from torchtitan.models.deepseek_v3.model import Attention
 
+from europa.core.model import context_parallel
 from europa.core.model.attention import BlockCausalAttention, rotate
 
 
 class BlockCausalMLA(Attention):
+    # set by ``parallel.cp``: this rank holds part of each sequence (``context_parallel``)
+    context_parallel: context_parallel.ContextParallel | None = None
+
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
         pass
@@ -35,6 +39,10 @@ class BlockCausalMLA(Attention):
             )
 
     def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
+        if self.context_parallel is not None:
+            if attention_masks is not None or positions is not None:
+                raise ValueError("context parallelism places each row itself (zig-zag)")
+            return context_parallel.mla_forward(self, x, self.context_parallel)
         if attention_masks is not None or positions is not None:  # torchtitan's own path
             return super().forward(x, attention_masks, positions)
         bsz, seqlen, _ = x.size()

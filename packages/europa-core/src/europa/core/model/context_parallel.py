@@ -1,0 +1,113 @@
+"""Context parallelism for MLA: each rank holds part of every sequence (``zigzag``) and
+gathers what its queries attend to from the others.
+
+MLA makes every head's keys and values from one latent per token: ``kv_lora_rank``
+columns (normed) and the rotated shared key, ``qk_rope_head_dim`` columns; 576 for
+Kimi-K2 against 64 × (192 + 128) = 20,480 for its up-projected keys and values. So the
+``latent`` exchange all-gathers the latent across the group and up-projects the whole
+sequence on every rank (``wkv_b`` once more per position held elsewhere); its backward
+reduce-scatters the latent's gradient. The ``kv`` exchange gathers the up-projected keys
+(the rotary key once per head) and values instead, as torch's ring attention, Megatron's
+CP and torchtitan's MLA path move them: kept for comparison.
+
+Notation: B batch, l this rank's rows, L the whole sequence, N heads, F features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from europa.core.model.attention import rotate
+from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
+
+EXCHANGES = ("latent", "kv")
+
+
+@dataclass(frozen=True, slots=True)
+class ContextParallel:
+    group: dist.ProcessGroup  # the ranks sharing this rank's sequences
+    zigzag: ZigZag
+    exchange: str = "latent"
+
+    def __post_init__(self) -> None:
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"exchange = {self.exchange!r}: expected one of {EXCHANGES}")
+
+
+class _GatherSequence(torch.autograd.Function):
+    """(B, l, F) rows of this rank to (B, L, F), the whole sequence in order; backward
+    sums every rank's gradient of this rank's rows (a reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, local_BlF: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        cp = dist.get_world_size(group)
+        batch, local_len, features = local_BlF.shape
+        gathered = local_BlF.new_empty(cp * batch * local_len * features)
+        dist.all_gather_single(gathered, local_BlF.contiguous().view(-1), group=group)
+        ctx.group = group
+        return whole_from_gathered(gathered.view(cp, batch, local_len, features))
+
+    @staticmethod
+    def backward(ctx, grad_BLF: torch.Tensor):
+        cp = dist.get_world_size(ctx.group)
+        per_rank = gathered_from_whole(grad_BLF, cp).contiguous()
+        mine = per_rank.new_empty(per_rank.shape[1:])
+        dist.reduce_scatter_single(mine.view(-1), per_rank.view(-1), group=ctx.group)
+        return mine, None
+
+
+def gather_sequence(local_BlF: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    return _GatherSequence.apply(local_BlF, group)
+
+
+def gathered_features(attention, exchange: str) -> int:
+    """Numbers a token sends in ``exchange`` for one MLA layer."""
+    if exchange == "latent":
+        return attention.kv_lora_rank + attention.qk_rope_head_dim
+    # every head's keys (the rotary key once per head) and values
+    return attention.n_heads * (attention.qk_head_dim + attention.v_head_dim)
+
+
+def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    """``BlockCausalMLA``'s forward on this rank's rows of each sequence: the same
+    projections, norms and rotations, the keys and values of the whole sequence."""
+    batch, local_len, _ = x_BlD.shape
+    nope, rope = attention.qk_nope_head_dim, attention.qk_rope_head_dim
+    positions = context.zigzag.positions(local_len, device=x_BlD.device)
+    rope_cache = attention.rope.cache[positions].view(1, local_len, 1, -1)
+
+    latent, k_pe = torch.split(attention.wkv_a(x_BlD), [attention.kv_lora_rank, rope], dim=-1)
+    k_pe = rotate(k_pe.unsqueeze(2), rope_cache)  # (B, l, 1, R)
+    latent = attention.kv_norm(latent)
+    if context.exchange == "latent":
+        whole = gather_sequence(torch.cat([latent, k_pe.squeeze(2)], dim=-1), context.group)
+        latent, k_pe = torch.split(whole, [attention.kv_lora_rank, rope], dim=-1)
+        kv = attention.wkv_b(latent).view(batch, whole.size(1), -1, nope + attention.v_head_dim)
+        k_pe = k_pe.unsqueeze(2)  # (B, L, 1, R)
+    else:
+        kv = attention.wkv_b(latent).view(batch, local_len, -1, nope + attention.v_head_dim)
+        heads = kv.size(2)
+        payload = torch.cat(
+            [kv.flatten(2), k_pe.expand(batch, local_len, heads, rope).flatten(2)], dim=-1
+        )
+        whole = gather_sequence(payload, context.group)
+        kv, k_pe = torch.split(whole, [kv[0, 0].numel(), heads * rope], dim=-1)
+        kv = kv.view(batch, whole.size(1), heads, -1)
+        k_pe = k_pe.view(batch, whole.size(1), heads, rope)  # (B, L, N, R)
+
+    low_rank = attention.q_lora_rank > 0
+    q = attention.wq_b(attention.q_norm(attention.wq_a(x_BlD))) if low_rank else attention.wq(x_BlD)
+    q = q.view(batch, local_len, -1, attention.qk_head_dim)
+    output = attention.inner_attention.mla(
+        q,
+        kv,
+        k_pe,
+        rope_cache,
+        nope=nope,
+        scale=attention.softmax_scale,
+        segments=context.zigzag.segments(local_len),
+    )
+    return attention.wo(output.view(batch, local_len, -1))
