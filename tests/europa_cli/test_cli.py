@@ -227,6 +227,20 @@ BAD = [
         ]
     ],
     (
+        ["train", "--nproc", "2", "--set", "parallel.cp=4"],
+        "parallel.cp = 4: expected a divisor of the 2 data-parallel ranks, which it cuts into "
+        "groups sharing each sequence",
+    ),
+    (
+        ["train", "--nproc", "2", "--set", "parallel.cp=2", "--set", "training.seq_len=126"],
+        "training.seq_len = 126: expected a multiple of 2 × parallel.cp = 4 (each rank holds "
+        "two of 4 equal chunks of a sequence)",
+    ),
+    (
+        ["train", "--set", 'parallel.cp_exchange="keys"'],
+        'parallel.cp_exchange = "keys": expected one of "latent", "kv"',
+    ),
+    (
         ["lighthouse", "--heartbeat-timeout-s", "100"],
         "--join-timeout-s = 90.0: expected more than --heartbeat-timeout-s (100.0)",
     ),

@@ -55,6 +55,7 @@ COUPLED = {
     "optimizer.name",
     "optimizer.qk_clip",
     "parallel.pp",
+    "parallel.cp",
     "parallel.pp_schedule",
     "parallel.pp_stages_per_rank",
     "parallel.pp_overlap_f_b",
@@ -172,10 +173,11 @@ def _coupled(draw: st.DrawFn) -> dict[str, Any]:
         out |= {"model.n_layers": layers, "model.n_dense_layers": draw(st.integers(0, layers - 1))}
     if draw(st.booleans()):
         max_seq_len = draw(st.integers(1, 2**20))
-        out |= {
-            "model.max_seq_len": max_seq_len,
-            "training.seq_len": draw(st.integers(1, max_seq_len)),
-        }
+        seq_len = draw(st.integers(1, max_seq_len))
+        out |= {"model.max_seq_len": max_seq_len, "training.seq_len": seq_len}
+        cuts = [cp for cp in range(2, 65) if seq_len % (2 * cp) == 0]
+        if cuts and draw(st.booleans()):  # context parallelism cuts a sequence in 2·cp
+            out["parallel.cp"] = draw(st.sampled_from(cuts))
     if draw(st.booleans()):
         out["parallel.dp_shard"] = draw(st.one_of(st.just(-1), st.integers(1, 4096)))
     if draw(st.booleans()):  # a schedule and its stages per rank (pipelines: test_pipeline)

@@ -37,6 +37,10 @@ VAL_PERPLEXITY = "val_perplexity"
 # runs) it did not compute (its bubble).
 PIPELINE_SENT_BYTES = "pipeline_sent_bytes"
 PIPELINE_BUBBLE = "pipeline_bubble"
+# With parallel.cp > 1: the bytes this rank sent this step in context parallelism's
+# exchanges (each gather and each reduce-scatter of its gradient sends this rank's rows to
+# the cp - 1 others), the same on every rank.
+CP_SENT_BYTES = "cp_sent_bytes"
 # With fault_tolerance.enabled: the replica groups that took part in the step, whether it
 # committed (else it is retried), the seconds this group spent receiving a healthy peer's
 # state before it (a heal), and, every fault_tolerance.check_every steps and after a heal,
@@ -69,8 +73,15 @@ CHECKPOINT_KEYS = frozenset({CHECKPOINT_S, CHECKPOINT_WAIT_S, CHECKPOINT_STAGING
 PIPELINE_KEYS = frozenset({PIPELINE_SENT_BYTES, PIPELINE_BUBBLE})
 REPLICA_KEYS = frozenset({REPLICAS, COMMITTED, HEAL_S, STATE_DIGEST})
 QK_CLIP_KEYS = frozenset({QK_LOGIT_MAX, QK_HEADS_CLIPPED})
+CONTEXT_PARALLEL_KEYS = frozenset({CP_SENT_BYTES})
 CORE_KEYS = (
-    TRAINING_KEYS | VALIDATION_KEYS | CHECKPOINT_KEYS | PIPELINE_KEYS | REPLICA_KEYS | QK_CLIP_KEYS
+    TRAINING_KEYS
+    | VALIDATION_KEYS
+    | CHECKPOINT_KEYS
+    | PIPELINE_KEYS
+    | REPLICA_KEYS
+    | QK_CLIP_KEYS
+    | CONTEXT_PARALLEL_KEYS
 )
 
 
@@ -80,7 +91,9 @@ __all__ = [
     "CHECKPOINT_STAGING_BYTES",
     "CHECKPOINT_WAIT_S",
     "COMMITTED",
+    "CONTEXT_PARALLEL_KEYS",
     "CORE_KEYS",
+    "CP_SENT_BYTES",
     "EXPERT_IMBALANCE",
     "EXPERT_IMBALANCE_MAX",
     "EXPERT_LOAD",

@@ -31,12 +31,21 @@ def check_cross_field_rules(config: EuropaConfig) -> None:
     if t.seq_len > m.max_seq_len:
         raise fail("training.seq_len", t.seq_len, f"at most model.max_seq_len ({m.max_seq_len})")
     _check_pipeline(config)
+    _check_context_parallel(config)
     _check_fault_tolerance(config)
     opt = config.optimizer
     if opt.qk_clip and opt.name != "muon":
         raise fail("optimizer.qk_clip", True,
                    f'false with optimizer.name = "{opt.name}" (QK-clip is MuonClip\'s: it needs '
                    'optimizer.name = "muon")')  # fmt: skip
+
+
+def _check_context_parallel(config: EuropaConfig) -> None:
+    cp, seq_len = config.parallel.cp, config.training.seq_len
+    if cp > 1 and seq_len % (2 * cp):
+        raise fail("training.seq_len", seq_len,
+                   f"a multiple of 2 × parallel.cp = {2 * cp} (each rank holds two of "
+                   f"{2 * cp} equal chunks of a sequence)")  # fmt: skip
 
 
 # Each stage of a ladder must outlast the one below it: a slow collective fails the

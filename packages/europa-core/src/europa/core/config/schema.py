@@ -11,6 +11,8 @@ from europa.core.seeds import MAX_SEED
 from europa.plan.schedules import SCHEDULE_NAMES
 from europa.spec.lanes import OVERLAP_F_B_MODES
 
+CP_EXCHANGES = ("latent", "kv")
+
 
 @dataclass(kw_only=True)
 class RunConfig:
@@ -136,6 +138,20 @@ class ParallelConfig:
         False,
         doc="under full activation checkpointing, keep the expert exchanges' results as saved "
         "tensors so the recomputed forward sends nothing",
+    )
+    cp: int = setting(
+        1,
+        gt=0,
+        doc="context-parallel ranks: each sequence is cut over this many data-parallel ranks "
+        "(2·cp chunks, rank r holding chunks r and 2·cp−1−r), whose attention gathers what "
+        "it attends to from the others; training.seq_len must be a multiple of 2·cp",
+    )
+    cp_exchange: str = setting(
+        "latent",
+        choices=CP_EXCHANGES,
+        doc="what context parallelism gathers: latent, MLA's normed latent and rotary key "
+        "(kv_lora_rank + qk_rope_head_dim a token), up-projected on every rank; kv: every "
+        "head's keys and values, as ring attention moves them (35× more for Kimi-K2)",
     )
     pp: int = setting(
         1,

@@ -95,13 +95,22 @@ def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[int, int, int
                 f"{pp}parallel.dp_replicate × parallel.ep = {others}: expected a divisor of "
                 f"the {world_size} ranks"
             )
-        return parallel.pp, parallel.dp_replicate, world_size // others, parallel.ep
-    if others * parallel.dp_shard != world_size:
+        shape = parallel.pp, parallel.dp_replicate, world_size // others, parallel.ep
+    elif others * parallel.dp_shard != world_size:
         raise LaunchError(
             f"{pp}parallel.dp_replicate × parallel.dp_shard × parallel.ep = "
             f"{others * parallel.dp_shard}: expected the {world_size} ranks"
         )
-    return parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.ep
+    else:
+        shape = parallel.pp, parallel.dp_replicate, parallel.dp_shard, parallel.ep
+    data_ranks = world_size // parallel.pp
+    if data_ranks % parallel.cp:
+        raise LaunchError(
+            f"parallel.cp = {parallel.cp}: expected a divisor of the {data_ranks} "
+            f"data-parallel ranks{' of a pipeline stage' if pp else ''}, which it cuts into "
+            "groups sharing each sequence"
+        )
+    return shape
 
 
 def ranks_per_node(parallel: ParallelConfig, world_size: int, launcher_says: int = 0) -> int:
@@ -246,6 +255,26 @@ def restarted_group_store(world_size: int, environ: dict[str, str] | None = None
         timeout=default_pg_timeout,
     )
     return dist.PrefixStore(f"europa/attempt-{attempt}", agent_store)
+
+
+def sequence_coordinates(mesh: DeviceMesh, cp: int) -> tuple[int, int]:
+    """(rank, size) of this process among the groups reading different sequences: the
+    data-parallel ranks, ``cp`` consecutive ones sharing each sequence."""
+    rank, size = data_parallel_coordinates(mesh)
+    return rank // cp, size // cp
+
+
+def context_parallel_group(mesh: DeviceMesh, cp: int):
+    """This rank's context-parallel group (``cp`` consecutive data-parallel ranks of its
+    pipeline stage) and its place in it; a collective: every rank makes every group."""
+    stages = mesh.mesh.reshape(mesh.size(0), -1)  # (pp, data-parallel ranks)
+    mine = None
+    for stage in stages:
+        for ranks in stage.reshape(-1, cp).tolist():
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine = group, ranks.index(dist.get_rank())
+    return mine
 
 
 def data_parallel_coordinates(mesh: DeviceMesh) -> tuple[int, int]:

@@ -113,7 +113,8 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
-        check_global_batch(path, config.training, replicas * world_size // config.parallel.pp)
+        sequence_groups = world_size // (config.parallel.pp * config.parallel.cp)
+        check_global_batch(path, config.training, replicas * sequence_groups)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec

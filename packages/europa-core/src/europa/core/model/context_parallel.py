@@ -15,15 +15,25 @@ Notation: B batch, l this rank's rows, L the whole sequence, N heads, F features
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from europa.core.config.schema import CP_EXCHANGES
 from europa.core.model.attention import rotate
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
 
-EXCHANGES = ("latent", "kv")
+
+@dataclass(slots=True)
+class SentBytes:
+    """Bytes this rank sent in the group's exchanges since last taken."""
+
+    count: int = 0
+
+    def take(self) -> int:
+        count, self.count = self.count, 0
+        return count
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,23 +41,26 @@ class ContextParallel:
     group: dist.ProcessGroup  # the ranks sharing this rank's sequences
     zigzag: ZigZag
     exchange: str = "latent"
+    sent: SentBytes = field(default_factory=SentBytes)
 
     def __post_init__(self) -> None:
-        if self.exchange not in EXCHANGES:
-            raise ValueError(f"exchange = {self.exchange!r}: expected one of {EXCHANGES}")
+        if self.exchange not in CP_EXCHANGES:
+            raise ValueError(f"exchange = {self.exchange!r}: expected one of {CP_EXCHANGES}")
 
 
 class _GatherSequence(torch.autograd.Function):
     """(B, l, F) rows of this rank to (B, L, F), the whole sequence in order; backward
-    sums every rank's gradient of this rank's rows (a reduce-scatter)."""
+    sums every rank's gradient of this rank's rows (a reduce-scatter). Each direction
+    sends this rank's rows to the cp - 1 others, counted into ``sent``."""
 
     @staticmethod
-    def forward(ctx, local_BlF: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    def forward(ctx, local_BlF: torch.Tensor, group: dist.ProcessGroup, sent: SentBytes):
         cp = dist.get_world_size(group)
         batch, local_len, features = local_BlF.shape
         gathered = local_BlF.new_empty(cp * batch * local_len * features)
         dist.all_gather_single(gathered, local_BlF.contiguous().view(-1), group=group)
-        ctx.group = group
+        sent.count += (cp - 1) * local_BlF.numel() * local_BlF.element_size()
+        ctx.group, ctx.sent = group, sent
         return whole_from_gathered(gathered.view(cp, batch, local_len, features))
 
     @staticmethod
@@ -56,11 +69,12 @@ class _GatherSequence(torch.autograd.Function):
         per_rank = gathered_from_whole(grad_BLF, cp).contiguous()
         mine = per_rank.new_empty(per_rank.shape[1:])
         dist.reduce_scatter_single(mine.view(-1), per_rank.view(-1), group=ctx.group)
-        return mine, None
+        ctx.sent.count += (cp - 1) * mine.numel() * mine.element_size()
+        return mine, None, None
 
 
-def gather_sequence(local_BlF: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    return _GatherSequence.apply(local_BlF, group)
+def gather_sequence(local_BlF: torch.Tensor, context: ContextParallel) -> torch.Tensor:
+    return _GatherSequence.apply(local_BlF, context.group, context.sent)
 
 
 def gathered_features(attention, exchange: str) -> int:
@@ -83,7 +97,7 @@ def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> tor
     k_pe = rotate(k_pe.unsqueeze(2), rope_cache)  # (B, l, 1, R)
     latent = attention.kv_norm(latent)
     if context.exchange == "latent":
-        whole = gather_sequence(torch.cat([latent, k_pe.squeeze(2)], dim=-1), context.group)
+        whole = gather_sequence(torch.cat([latent, k_pe.squeeze(2)], dim=-1), context)
         latent, k_pe = torch.split(whole, [attention.kv_lora_rank, rope], dim=-1)
         kv = attention.wkv_b(latent).view(batch, whole.size(1), -1, nope + attention.v_head_dim)
         k_pe = k_pe.unsqueeze(2)  # (B, L, 1, R)
@@ -93,7 +107,7 @@ def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> tor
         payload = torch.cat(
             [kv.flatten(2), k_pe.expand(batch, local_len, heads, rope).flatten(2)], dim=-1
         )
-        whole = gather_sequence(payload, context.group)
+        whole = gather_sequence(payload, context)
         kv, k_pe = torch.split(whole, [kv[0, 0].numel(), heads * rope], dim=-1)
         kv = kv.view(batch, whole.size(1), heads, -1)
         k_pe = k_pe.view(batch, whole.size(1), heads, rope)  # (B, L, N, R)

@@ -84,7 +84,8 @@ class PipelineRun:
         def scaled_loss(logits, labels):
             return loss_fn(logits, labels) / micro
 
-        batch, seq, dtype = config.training.batch_size, config.training.seq_len, self.hidden_dtype
+        batch, dtype = config.training.batch_size, self.hidden_dtype
+        seq = config.training.seq_len // config.parallel.cp  # a rank's rows of each sequence
 
         def shapes(index: int) -> dict[str, torch.Tensor | None]:
             hidden = torch.empty(batch, seq, self.dim, dtype=dtype, device="meta")

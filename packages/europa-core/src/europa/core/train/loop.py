@@ -40,6 +40,7 @@ from europa.core.launch.distributed import (
     data_parallel_coordinates,
     init_distributed,
     routed_model,
+    sequence_coordinates,
     shutdown,
 )
 from europa.core.launch.faults import reporting_faults
@@ -50,7 +51,7 @@ from europa.core.model.materialise import MatrixInitialiser
 from europa.core.pipeline.split import keep_rank_stages
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import JOB_FILE, SUMMARY_FILE, write_replacing
-from europa.core.train import metrics
+from europa.core.train import context_parallel, metrics
 from europa.core.train.assemble import build_optimizer, place_model
 from europa.core.train.batches import open_rank_batches
 from europa.core.train.evaluate import validation_metrics
@@ -63,6 +64,7 @@ from europa.spec.metrics import (
     CHECKPOINT_STAGING_BYTES,
     CHECKPOINT_WAIT_S,
     COMMITTED,
+    CP_SENT_BYTES,
     HEAL_S,
     REPLICAS,
     STATE_DIGEST,
@@ -148,6 +150,7 @@ class Trainer:
             self.imported_bytes = init_matrix.bytes_read
         model.train()
         self.model = model
+        self.context = context_parallel.enable(job, model) if cfg.parallel.cp > 1 else None
         opt = cfg.optimizer
         self.qk_clip = QKClip(model, cfg.model.n_layers, opt.qk_clip_tau) if opt.qk_clip else None
         self._stop: StopRequest | None = None  # run()'s, which a step with replicas agrees on
@@ -175,11 +178,13 @@ class Trainer:
             else None
         )
         self.scheduler = build_scheduler(built, cfg.training.steps, cfg.lr_schedule)
-        dp_rank, dp_world = data_parallel_coordinates(job.mesh)
+        dp_rank, dp_world = sequence_coordinates(job.mesh, cfg.parallel.cp)
         if replica is not None:  # each group reads its own share of every step's batch
             dp_rank, dp_world = replica.index * dp_world + dp_rank, replica.count * dp_world
         self.data_ranks = dp_world
         self.batches = open_rank_batches(cfg, dp_rank, dp_world, job.run_dir, job.is_main)
+        if self.context is not None:
+            self.batches = context_parallel.cut_batches(self.batches, self.context)
         if job.is_main:
             print(self.describe(), file=sys.stderr, flush=True)
 
@@ -229,6 +234,9 @@ class Trainer:
         if self.pipeline is not None:
             schedule = job.config.parallel.pp_schedule
             stages = f"; {self.pipeline.num_stages} pipeline stages ({schedule})"
+        if self.context is not None:
+            cp = job.config.parallel
+            stages += f"; each sequence over {cp.cp} ranks (context parallel, {cp.cp_exchange})"
         return (
             f"europa: {job.config.run.name}: {counts.total / 1e6:.2f} M parameters "
             f"({counts.active_per_token / 1e6:.2f} M active per token); {job.world_size} "
@@ -413,6 +421,8 @@ class Trainer:
             if self.pipeline is not None:
                 load = self.pipeline.whole_model_load(load)
                 staged = self.pipeline.step_metrics()
+            if self.context is not None:
+                staged[CP_SENT_BYTES] = self.context.sent.take()
             if committed and not skipped:
                 self.optimizer.step()
                 if maxima is not None:
@@ -484,10 +494,14 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """val_loss and val_perplexity over the validation sequences, on every rank."""
         if self.pipeline is not None:
-            return self.pipeline.validation_metrics(
+            measured = self.pipeline.validation_metrics(
                 self.model, self.batches.validation, self.job.device
             )
-        return validation_metrics(self.model, self.batches.validation, self.job.device)
+        else:
+            measured = validation_metrics(self.model, self.batches.validation, self.job.device)
+        if self.context is not None:
+            self.context.sent.take()  # cp_sent_bytes counts training steps only
+        return measured
 
     # -- the run --------------------------------------------------------------------------
 
