@@ -118,3 +118,19 @@ def test_each_step_sends_what_its_exchange_gathers(records, name):
     sent = {r["cp_sent_bytes"] for r in _steps(records, name)}
     assert sent == {_sent_per_step(cp, features[exchange])}
     assert all("cp_sent_bytes" not in r for r in _steps(records, "cp1"))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["cp2-latent", "cp4-kv"])
+def test_the_plan_sends_what_a_step_counted(records, name):
+    from europa.core.plan import load_profile, make_plan
+    from europa.core.plan.traffic import CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER
+    from europa.core.session import open_session
+
+    run = next(r for r in _runs() if r.name == name)
+    config, plugins = open_session(run.preset, run.overrides, run.plugins)
+    plan = make_plan(config, plugins, load_profile("cpu"), 4)
+    kinds = (CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER)
+    planned = sum(t.bytes_per_step for t in plan.traffic if t.kind in kinds)
+    (counted,) = {r["cp_sent_bytes"] for r in _steps(records, name)}
+    assert abs(planned - counted) <= 0.01 * counted, (planned, counted)

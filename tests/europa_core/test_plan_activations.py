@@ -17,12 +17,16 @@ TOLERANCE = 0.15  # the bound the plan promises; the list is built to match exac
 
 
 def measured_saved_bytes(
-    config, batch: int, seq_len: int, attention: str = "sdpa"
+    config, batch: int, seq_len: int, attention: str = "sdpa", context=None
 ) -> dict[str, int]:
-    """Distinct storages autograd saves, per block, parameters and buffers excluded."""
+    """Distinct storages autograd saves, per block, parameters and buffers excluded;
+    with a ``context`` (``ContextParallel``), on this rank's rows of each sequence."""
     bf16 = config.training.dtype == "bfloat16"
     model = build_moe_model(config.model, native_dtype_experts=not bf16, attention=attention)
     materialise(model, torch.device("cpu"), 0)
+    for module in model.modules():
+        if context is not None and hasattr(module, "context_parallel"):
+            module.context_parallel = context
     if bf16:  # as FSDP2 mixed precision hands the blocks bf16 parameters
         for param in model.parameters():
             param.data = param.data.to(torch.bfloat16)
@@ -43,6 +47,8 @@ def measured_saved_bytes(
     vocab = config.model.vocab_size
     inputs = torch.randint(0, vocab, (batch, seq_len), generator=generator)
     labels = torch.randint(0, vocab, (batch, seq_len), generator=generator)
+    if context is not None:
+        inputs, labels = context.zigzag.cut(inputs), context.zigzag.cut(labels)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         logits = model(inputs)  # the trainer's loss, as in europa.core.train.loop
         F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
@@ -77,16 +83,41 @@ def test_block_causal_estimate_matches_the_saved_tensor_hooks(preset, overrides,
     )
 
 
-def _check_estimate(preset, overrides, batch, seq_len, *, attention: str, kernel: str) -> None:
+def _measured_on_rank(rank, world, preset, overrides, batch, seq_len, exchange):
+    import torch.distributed as dist
+
+    from europa.core.model.context_parallel import ContextParallel
+    from europa.core.model.zigzag import ZigZag
+
     config, _ = open_session(preset, overrides)
-    measured = measured_saved_bytes(config, batch, seq_len, attention)
+    context = ContextParallel(dist.group.WORLD, ZigZag(world, rank), exchange)
+    return measured_saved_bytes(config, batch, seq_len, "block_causal", context)
+
+
+@pytest.mark.distributed
+def test_context_parallel_estimate_matches_the_saved_tensor_hooks_of_each_rank():
+    """A rank's rows of each sequence (cp = 2), for both exchanges, fp32 and bf16."""
+    from tests.conftest import run_ranks
+
+    cases = [("latent", []), ("kv", ["training.dtype='bfloat16'"])]
+    for exchange, overrides in cases:
+        for measured in run_ranks(_measured_on_rank, 2, "debug", overrides, 2, 64, exchange):
+            _check_estimate("debug", overrides, 2, 64, attention="block_causal",
+                            kernel="block_causal", cp=2, exchange=exchange,
+                            measured=measured)  # fmt: skip
+
+
+def _check_estimate(
+    preset, overrides, batch, seq_len, *, attention, kernel, cp=1, exchange="latent", measured=None
+) -> None:
+    config, _ = open_session(preset, overrides)
+    if measured is None:
+        measured = measured_saved_bytes(config, batch, seq_len, attention)
     dtype_bytes = 2 if config.training.dtype == "bfloat16" else 4
-    planned = {
-        b.name: b.saved_bytes(batch * seq_len)
-        for b in block_activations(
-            config.model, seq_len=seq_len, batch=batch, dtype_bytes=dtype_bytes, kernel=kernel
-        )
-    }
+    blocks = block_activations(config.model, seq_len=seq_len, batch=batch,
+                               dtype_bytes=dtype_bytes, kernel=kernel, cp=cp,
+                               exchange=exchange)  # fmt: skip
+    planned = {b.name: b.saved_bytes(batch * seq_len // cp) for b in blocks}
     assert set(planned) == set(measured)
     for name, want in measured.items():
         assert abs(planned[name] - want) <= TOLERANCE * want, (name, planned[name], want)

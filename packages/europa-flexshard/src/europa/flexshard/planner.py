@@ -212,7 +212,7 @@ def planned_exchange(job: PlanningJob, moe_layers: int) -> dict:
     rows = RowBytes.of(dispatch, wire, model.dim, model.top_k)
     recompute = cfg.section("activation_checkpointing").mode == "full"
     passes = 2 if recompute and not parallel.ep_keep_exchanges else 1
-    tokens = training.batch_size * training.seq_len
+    tokens = training.batch_size * training.seq_len // parallel.cp  # this rank's rows
     payload = expected_bytes_per_token(group, dispatch, rows, forward_passes=passes)
     counts = expected_count_bytes(group, dispatch, calls=passes)
     micro_batches = moe_layers * training.grad_accum_steps

@@ -83,11 +83,12 @@ def rank_comm(run: Run, stage: RankStage, compute: ComputeTerms) -> CommTerms:
     cp = 0.0
     if lay.cp > 1:
         kv = model.n_heads * (model.qk_nope_head_dim + model.qk_rope_head_dim + model.v_head_dim)
+        kv /= lay.tp
         if not model.mla:
-            kv = 2 * model.n_kv_heads * model.head_dim
-        gathered = ring_seconds(
-            "all_gather", tokens * lay.cp * kv / lay.tp * BF16, group["cp"], gpu, eff
-        )
+            kv = 2 * model.n_kv_heads * model.head_dim / lay.tp
+        elif lay.cp_exchange == "latent":  # one latent a token, whatever the heads' split
+            kv = model.kv_lora_rank + model.qk_rope_head_dim
+        gathered = ring_seconds("all_gather", tokens * lay.cp * kv * BF16, group["cp"], gpu, eff)
         cp = max(0.0, 3 * layers * gathered - compute.attention)
     return CommTerms(tp, ep, cp)
 

@@ -65,7 +65,10 @@ def layer_work(run: Run, moe_layer: bool) -> _Work:
         else:
             dense("attention", n * qk / tp, h)
         dense("attention", kvl + dr, h)
-        dense("mla_up_proj", n * (model.qk_nope_head_dim + model.v_head_dim) / tp, kvl)
+        # a gathered latent is up-projected for the whole sequence, every cp rank's rows
+        kv_rows = tokens * lay.cp if lay.cp_exchange == "latent" else tokens
+        kv_width = n * (model.qk_nope_head_dim + model.v_head_dim) / tp
+        gemms.append(("dense", "mla_up_proj", Gemm(kv_rows, kv_width, kvl)))
         dense("attention", h, n * model.v_head_dim / tp)
         attention = 2 * tokens * run.seq_len / 2 * n / tp * (qk + model.v_head_dim)
         rotary = (n / tp + 1) * dr

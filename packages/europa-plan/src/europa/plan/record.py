@@ -163,6 +163,10 @@ class Layout:
     tp: int = 1
     sequence_parallel: bool = False
     cp: int = 1
+    # What context parallelism gathers for MLA: "kv", the up-projected keys and values
+    # (Megatron's, ring attention's); "latent", the kv latent and rotary key, up-projected
+    # on every rank for the whole sequence (europa's).
+    cp_exchange: str = "kv"
     pp: int = 1
     vp: int = 1  # virtual stages a pipeline rank holds
     schedule: str = "1f1b"

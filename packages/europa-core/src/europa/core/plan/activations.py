@@ -21,6 +21,11 @@ together. What depends on the dtype:
   end only: about (chunks + 1) / (2 chunks) of the math path's).
 * The router keeps fp32 scores in an fp32 run and compute-dtype ones with bf16
   parameters; the routed expert output is upcast to fp32 before it is scaled.
+* With context parallelism (``cp`` ranks a sequence, ``europa.core.model.context_parallel``)
+  a token is one of a rank's rows: the attention's keys and values are the whole
+  sequence's, cp per row, and so is the gathered latent that ``wkv_b`` keeps (the latent
+  exchange, instead of the kv norm's output); a query block's probabilities span the keys
+  up to its position in the sequence.
 """
 
 from __future__ import annotations
@@ -65,15 +70,21 @@ def _norm(label: str, width: int, dtype_bytes: int, input_width: int | None = No
     ]
 
 
-def _block_causal_keys(seq_len: int) -> int:
-    """Keys per query, on average over the sequence, that block-causal attention scores."""
-    from europa.core.model.attention import DEFAULT_CHUNKS, chunk_bounds
+def _block_causal_keys(seq_len: int, cp: int = 1) -> int:
+    """Keys per query, on average over a rank's rows, that block-causal attention scores
+    (every rank's rows score as many: the zig-zag cut)."""
+    from europa.core.model.attention import DEFAULT_CHUNKS, causal_blocks
+    from europa.core.model.zigzag import ZigZag
 
-    bounds = chunk_bounds(seq_len, DEFAULT_CHUNKS)
-    return -(-sum((end - start) * end for start, end in bounds) // seq_len)  # ceil
+    rows = seq_len // cp
+    segments = [(0, 0, seq_len)] if cp == 1 else ZigZag(cp, 0).segments(rows)
+    bounds = causal_blocks(segments, DEFAULT_CHUNKS)
+    return -(-sum((end - start) * key_end for start, end, key_end in bounds) // rows)  # ceil
 
 
-def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) -> list[SavedTensor]:
+def _attention(
+    m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str, cp: int = 1, exchange="latent"
+) -> list[SavedTensor]:
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     h = m.n_heads
     out = _norm("attention_norm", m.dim, a)
@@ -82,7 +93,11 @@ def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) ->
     # In an fp32 run the kv norm keeps its input as the whole wkv_a output
     # (the rope part is a view of the same storage); with bf16 its fp32 copy.
     kv_input = m.kv_lora_rank + m.qk_rope_head_dim if a == FP32 else m.kv_lora_rank
-    out += _norm("kv_norm", m.kv_lora_rank, a, input_width=kv_input)
+    kv_norm = _norm("kv_norm", m.kv_lora_rank, a, input_width=kv_input)
+    if cp > 1 and exchange == "latent":  # wkv_b keeps the gathered latent instead
+        latent = m.kv_lora_rank + m.qk_rope_head_dim
+        kv_norm[-1] = SavedTensor("context.gathered_latent", cp * latent * a)
+    out += kv_norm
     if kernel == "math":
         # v is a view of wkv_b's output [.., heads, nope + v]; with one sequence
         # in fp32 the math path's reshape keeps that view (and its storage),
@@ -90,22 +105,22 @@ def _attention(m: ModelConfig, a: int, seq_len: int, batch: int, kernel: str) ->
         v_width = m.qk_nope_head_dim + m.v_head_dim if batch == 1 and a == FP32 else m.v_head_dim
         out += [
             SavedTensor("sdpa.q", h * qk * FP32),
-            SavedTensor("sdpa.k_transposed", h * qk * FP32),
+            SavedTensor("sdpa.k_transposed", cp * h * qk * FP32),
             SavedTensor("sdpa.probabilities", h * seq_len * FP32),
-            SavedTensor("sdpa.v", h * v_width * FP32),
+            SavedTensor("sdpa.v", cp * h * v_width * FP32),
         ]
     elif kernel == "block_causal":
         out += [
             SavedTensor("attention.q", h * qk * FP32),
-            SavedTensor("attention.k", h * qk * FP32),
-            SavedTensor("attention.v", h * m.v_head_dim * FP32),
-            SavedTensor("attention.probabilities", h * _block_causal_keys(seq_len) * FP32),
+            SavedTensor("attention.k", cp * h * qk * FP32),
+            SavedTensor("attention.v", cp * h * m.v_head_dim * FP32),
+            SavedTensor("attention.probabilities", h * _block_causal_keys(seq_len, cp) * FP32),
         ]
     else:
         out += [
             SavedTensor("sdpa.q", h * qk * a),
-            SavedTensor("sdpa.k", h * qk * a),
-            SavedTensor("sdpa.v", h * m.v_head_dim * a),
+            SavedTensor("sdpa.k", cp * h * qk * a),
+            SavedTensor("sdpa.v", cp * h * m.v_head_dim * a),
             SavedTensor("sdpa.output", h * m.v_head_dim * a),
             SavedTensor("sdpa.logsumexp", h * FP32),
         ]
@@ -140,17 +155,26 @@ def _moe(m: ModelConfig, a: int) -> list[SavedTensor]:
 
 
 def block_activations(
-    m: ModelConfig, *, seq_len: int, batch: int, dtype_bytes: int, kernel: str = "math"
+    m: ModelConfig,
+    *,
+    seq_len: int,
+    batch: int,
+    dtype_bytes: int,
+    kernel: str = "math",
+    cp: int = 1,
+    exchange: str = "latent",
 ) -> list[BlockActivations]:
     """Every block's saved tensors, then the root's (tokens and labels, final
-    norm, the loss's fp32 log-probabilities over the vocabulary)."""
+    norm, the loss's fp32 log-probabilities over the vocabulary), per token of a rank's
+    rows: with ``cp`` > 1, its seq_len / cp rows of each sequence, ``exchange`` gathered."""
     # A layout search asks again for every layout of the same model (the config is a
     # mutable dataclass: its repr, every field, is the key; the blocks are frozen).
-    key = (repr(m), seq_len, batch, dtype_bytes, kernel)
+    key = (repr(m), seq_len, batch, dtype_bytes, kernel, cp, exchange)
     if key not in _ASKED:
         if len(_ASKED) >= 64:
             _ASKED.clear()
-        _ASKED[key] = tuple(_every_block(m, seq_len, batch, dtype_bytes, kernel))
+        blocks = _every_block(m, seq_len, batch, dtype_bytes, kernel, cp, exchange)
+        _ASKED[key] = tuple(blocks)
     return list(_ASKED[key])
 
 
@@ -158,11 +182,11 @@ _ASKED: dict[tuple, tuple[BlockActivations, ...]] = {}
 
 
 def _every_block(
-    m: ModelConfig, seq_len: int, batch: int, dtype_bytes: int, kernel: str
+    m: ModelConfig, seq_len: int, batch: int, dtype_bytes: int, kernel: str, cp: int, exchange
 ) -> list[BlockActivations]:
     blocks = []
     for layer in range(m.n_layers):
-        tensors = _attention(m, dtype_bytes, seq_len, batch, kernel)
+        tensors = _attention(m, dtype_bytes, seq_len, batch, kernel, cp, exchange)
         tensors += _norm("ffn_norm", m.dim, dtype_bytes)
         if layer < m.n_dense_layers:
             tensors += _feed_forward("feed_forward", m.dense_hidden_dim, dtype_bytes)

@@ -12,6 +12,11 @@ from europa.core.launch.distributed import mesh_shape
 from europa.core.plan.activations import block_activations
 from europa.core.plan.builtin_layouts import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.checkpoint_cost import write_seconds
+from europa.core.plan.context import (
+    exchange_bytes_per_pass,
+    rows_per_micro_batch,
+    upprojection_flops,
+)
 from europa.core.plan.goodput import heal_seconds, read_seconds
 from europa.core.plan.hardware import DEVICE_TO_HOST, HardwareProfile
 from europa.core.plan.memory import (
@@ -112,11 +117,13 @@ def stage_activations(config, hardware, plan: PlanMapping, names) -> dict[str, A
         batch=training.batch_size,
         dtype_bytes=compute_bytes,
         kernel=hardware.attention_kernel,
+        cp=config.parallel.cp,
+        exchange=config.parallel.cp_exchange,
     )
     blocks = [b for b in blocks if b.name in names]
     kept_bytes = plan["layout"].get("expert_kept_bytes_per_moe_block", 0)
     kept = {f"layers.{i}": kept_bytes for i in range(model_cfg.n_dense_layers, model_cfg.n_layers)}
-    tokens = training.batch_size * training.seq_len
+    tokens = rows_per_micro_batch(config)
     return {mode: activations(blocks, tokens, mode == "full", offload, kept) for mode in MODES}
 
 
@@ -133,7 +140,7 @@ def assemble(
     reduce_bytes = layout.get("reduce_itemsize", 4)
     recompute = config.section("activation_checkpointing").mode == "full"
     offload = HostOffload.parse(plan.get("host_offload"))
-    tokens = training.batch_size * training.seq_len
+    tokens = rows_per_micro_batch(config)  # a rank's rows of its micro-batch's sequences
     names = scope.blocks if scope is not None else _every_block(config)
     by_mode = stage_activations(config, hardware, plan, names)
     acts = by_mode["full" if recompute else "none"]
@@ -189,6 +196,11 @@ def assemble(
         root_kept=scope is None,  # a stage's root parts are gathered again for backward
         rails=hardware.device == "cuda",  # NCCL's ring a rail, a network link a GPU
         clip_maxima=clip_maxima(config, scope.run_world_size if scope else world_size),
+        context_exchange=(
+            exchange_bytes_per_pass(config, scope.layers if scope else model_cfg.n_layers),
+            config.parallel.cp,
+            recompute,
+        ),
     )
     traffic = step_traffic(**traffic_inputs)
     checkpoint = unique_state_bytes(shapes.parameters, config.optimizer.name)
@@ -209,6 +221,7 @@ def assemble(
     # Recomputation repeats the blocks' forward (a third of the work), not the head's.
     head = 2 * model_cfg.vocab_size * model_cfg.dim if scope is None or scope.head else 0
     recompute_flops = per_token // 3 - head if recompute else 0
+    upprojection = upprojection_flops(config, layers)  # the latent exchange's, all micro-batches
     # "With overlap": what europa-overlap says it hides, or (not enabled) every
     # kind that can run beside compute, as the estimate of what it would give.
     overlappable = tuple(t.kind for t in traffic if t.overlappable)
@@ -222,7 +235,7 @@ def assemble(
         hardware,
         world_size,
         model_flops=per_token * tokens_per_rank,
-        hardware_flops=(per_token + recompute_flops) * tokens_per_rank,
+        hardware_flops=(per_token + recompute_flops) * tokens_per_rank + upprojection,
         state_bytes=state.totals()[rank],
         layers=None if scope is None else scope.layer_indices,
         head=scope is None or scope.head,

@@ -35,6 +35,7 @@ from europa.core.pipeline.kinds import SPLIT_BACKWARD, STAGE_SEND_KIND, stages_p
 from europa.core.pipeline.stages import rank_module_names, rank_stages, stage_names
 from europa.core.plan.assemble import StageScope, assemble, plugin_plan, stage_activations
 from europa.core.plan.checkpoint_cost import write_seconds
+from europa.core.plan.context import rows_per_micro_batch
 from europa.core.plan.memory import unique_state_bytes
 from europa.core.plan.record import PipelinePlan, PipelineRank
 from europa.core.plan.traffic import EXCHANGE_KIND, INTER, INTRA, Traffic
@@ -107,7 +108,7 @@ def plan_pipeline(config, plugins, hardware, world_size: int, shapes, per_node: 
         plans[r] = assemble(alone, hardware, data_ranks, mesh, shapes_of[r], plugin_plans[r],
                             per_node, scope)  # fmt: skip
 
-    hidden = training.batch_size * training.seq_len * config.model.dim * _itemsize(training)
+    hidden = rows_per_micro_batch(config) * config.model.dim * _itemsize(training)
     crossings = {  # (from stage, to stage) on two ranks -> the link between them
         (a, b): stage_link(rank_of[a], rank_of[b], data_ranks, per_node)
         for a in rank_of
@@ -249,7 +250,7 @@ class _WholeRun:
         config, shapes, hardware = self.config, self.shapes, self.hardware
         training = config.training
         per_token = model_flops_per_token(shapes, config.model, training.seq_len)
-        tokens = training.batch_size * training.seq_len * training.grad_accum_steps
+        tokens = rows_per_micro_batch(config) * training.grad_accum_steps
         link = pipeline.link
         traffic = [*rank_plan.traffic]
         sends = []

@@ -74,13 +74,15 @@ def compute_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
 
 def _run(config: EuropaConfig, hardware: str, world_size: int) -> Run:
     parallel, training = config.parallel, config.training
-    dp = world_size // parallel.pp
+    dp = world_size // (parallel.pp * parallel.cp)
     per_rank = parallel.pp_stages_per_rank or (1 if parallel.pp_schedule == "1f1b" else 2)
     checkpointing = config.extensions.get("activation_checkpointing")
     full = checkpointing is not None and checkpointing.mode == "full"
     replicas = parallel.dp_replicate
     hsdp = replicas > 1 and "flexshard" not in config.plugins.enabled
     layout = Layout(
+        cp=parallel.cp,
+        cp_exchange=parallel.cp_exchange,
         pp=parallel.pp,
         vp=per_rank if parallel.pp > 1 else 1,
         schedule=SCHEDULES[parallel.pp_schedule] if parallel.pp > 1 else "1f1b",

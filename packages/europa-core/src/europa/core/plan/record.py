@@ -170,8 +170,9 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         t = self.config.training
-        data_ranks = self.world_size // self.config.parallel.pp  # a pipeline's read the same
-        return t.batch_size * t.seq_len * t.grad_accum_steps * data_ranks
+        # a pipeline's ranks read the same sequences, and so do a context-parallel group's
+        readers = self.world_size // (self.config.parallel.pp * self.config.parallel.cp)
+        return t.batch_size * t.seq_len * t.grad_accum_steps * readers
 
     def rank_state(self, global_rank: int) -> dict[str, int]:
         """State bytes of one global rank (ranks of a replica group hold the same)."""

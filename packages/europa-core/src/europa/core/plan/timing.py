@@ -83,7 +83,8 @@ def logit_max_flops(config: EuropaConfig, hardware: HardwareProfile, layers: int
         return 0.0
     m, t = config.model, config.training
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
-    return 2.0 * t.batch_size * m.n_heads * qk * t.seq_len * t.seq_len / 2 * layers
+    rows = t.seq_len / config.parallel.cp  # a rank's queries, each over half the keys
+    return 2.0 * t.batch_size * m.n_heads * qk * rows * t.seq_len / 2 * layers
 
 
 def clip_maxima(config: EuropaConfig, ranks: int) -> tuple[int, int]:

@@ -55,6 +55,9 @@ def ring_share(size: int) -> float:
 
 
 EXCHANGE_KIND = "expert_all_to_all"  # tokens to their experts and back
+# context parallelism: each MLA layer gathers what it attends to, then reduce-scatters its
+# gradient (europa.core.plan.context)
+CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER = "context_gather", "context_reduce_scatter"
 
 # The collective each kind of traffic is (a hardware profile may rate each on its own).
 COLLECTIVE = {
@@ -64,6 +67,8 @@ COLLECTIVE = {
     "gradient_replica_all_reduce": "all_reduce",
     "expert_gradient_all_reduce": "all_reduce",
     EXCHANGE_KIND: "all_to_all",
+    CONTEXT_GATHER: "all_gather",
+    CONTEXT_REDUCE_SCATTER: "reduce_scatter",
     MAXIMA_TRAFFIC: "all_reduce",
 }
 
@@ -129,6 +134,7 @@ def step_traffic(
     rails: bool = False,
     rank: int | None = None,
     clip_maxima: tuple[int, int] = (0, 1),
+    context_exchange: tuple[int, int, bool] = (0, 1, False),
 ) -> list[Traffic]:
     """``kept_blocks``: the blocks that keep their gathered parameters from forward to
     backward (``europa.core.plan.memory.kept_blocks``), gathered once a micro-batch.
@@ -141,7 +147,10 @@ def step_traffic(
     (direct transfers); default: the one that sends most.
     ``clip_maxima``: QK-clip's maxima (bytes, and the ranks of the run that reduce them
     with one MAX, every stage's included), after the backward and before the optimizer
-    step."""
+    step.
+    ``context_exchange``: context parallelism's bytes a pass (``europa.core.plan.context``),
+    its group's size (cp consecutive ranks) and whether blocks are recomputed (a second
+    gather); the attention waits for them."""
     group = layout["gather_group_size"]
     shard_links = ring_links(group, 1, gpus_per_node, rails)
     # Blocks are gathered for forward and again for backward, unless kept between the
@@ -181,6 +190,9 @@ def step_traffic(
         ]
     }
 
+    cp_pass, cp, recomputed = context_exchange
+    cp_gathers = 2 if recomputed else 1  # a recomputed forward gathers again
+
     def ring(kind, nbytes, size_stride, overlappable, window=STEP, tail_bytes=0.0):
         """A ring collective's bytes (and tail) split over the links it crosses."""
         shares = ring_links(*size_stride, gpus_per_node, rails)
@@ -215,6 +227,8 @@ def step_traffic(
         ),
         *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
         *ring("optimizer_step", step_gather, (group, 1), overlappable=False),
+        *ring(CONTEXT_GATHER, cp_pass * cp_gathers, (cp, 1), overlappable=False),
+        *ring(CONTEXT_REDUCE_SCATTER, cp_pass, (cp, 1), overlappable=False),
         *ring(
             MAXIMA_TRAFFIC,
             2 * clip_maxima[0] * ring_share(clip_maxima[1]),
