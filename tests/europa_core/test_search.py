@@ -97,6 +97,30 @@ def test_the_search_leaves_node_limited_routing_as_the_config_sets_it():
         assert p.plan.config.parallel.ep > 1
 
 
+def _long(seq_len: int) -> list[str]:
+    return [f"model.max_seq_len={seq_len}", f"training.seq_len={seq_len}",
+            "training.batch_size=1", "parallel.ranks_per_node=4"]  # fmt: skip
+
+
+def test_the_search_cuts_sequences_over_ranks_only_when_no_layout_fits_without():
+    """tiny on 4 CPU ranks: 32k tokens fit a rank, 64k do not; then each group of cp ranks
+    reads cp sequences, so the global batch stays, and the arguments give the layout."""
+    whole, _, _ = _search("tiny", _long(32768), 4)
+    assert whole.proposals
+    assert all(p.plan.config.parallel.cp == 1 for p in whole.proposals)
+    overrides = _long(65536)
+    cut, manager, model = _search("tiny", overrides, 4)
+    assert cut.proposals
+    for p in cut.proposals:
+        assert p.plan.config.parallel.cp > 1 and p.plan.fits
+        assert p.plan.tokens_per_step == 4 * 65536
+    plugins, sets = _arguments(cut.arguments(cut.proposals[0]))
+    assert any(s.startswith("parallel.cp=") for s in sets)
+    config, plugins_on = open_session("tiny", [*overrides, *sets], plugins, manager)
+    again = make_plan(config, plugins_on, CPU, 4, model=model)
+    assert again.with_overlap == cut.proposals[0].plan.with_overlap
+
+
 def test_the_seed_search_prints_its_best_layouts_as_json(capsys):
     seed = ["plan", "kimi-k2", "--hardware", "gh200-jupiter", "--replicas", "4",
             "--gpus-per-replica", "384", "--search", "--json"]  # fmt: skip

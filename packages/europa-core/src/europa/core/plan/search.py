@@ -120,18 +120,45 @@ def table_defaults(manager) -> dict[str, Any]:
     return out
 
 
+CONTEXT_PARALLEL = (2, 4, 8, 16)  # the cp the search tries when no layout fits without
+
+
+def _batches(sequences: int, extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every micro-batch × accumulation of ``sequences`` a step, with ``extra`` settings."""
+    splits = [(b, sequences // b) for b in range(sequences, 0, -1) if sequences % b == 0]
+    return [
+        {"plugins": [], "set": {**extra, "training.batch_size": b, "training.grad_accum_steps": n}}
+        for b, n in splits
+    ]
+
+
 def core_levers(config: EuropaConfig) -> list[list[dict[str, Any]]]:
     """Activation checkpointing, and every micro-batch × accumulation with the config's
     sequences per rank and step."""
     training = config.training
     sequences = training.batch_size * training.grad_accum_steps
-    batches = [b for b in range(1, sequences + 1) if sequences % b == 0]
     return [
         [{"plugins": [], "set": {"activation_checkpointing.mode": m}} for m in ("none", "full")],
-        [
-            {"plugins": [], "set": {"training.batch_size": b, "training.grad_accum_steps": n}}
-            for b, n in ((b, sequences // b) for b in reversed(batches))
-        ],
+        _batches(sequences, {}),
+    ]
+
+
+def context_levers(config: EuropaConfig, world_size: int) -> list[list[dict[str, Any]]]:
+    """``core_levers`` with each sequence cut over cp ranks (the latent exchange): a group
+    of cp ranks reads cp times a rank's sequences, so the global batch stays. Empty where
+    no cp divides the data-parallel ranks and the sequence (2·cp chunks)."""
+    training, p = config.training, config.parallel
+    data_ranks = world_size // p.pp
+    cuts = [
+        cp for cp in CONTEXT_PARALLEL if data_ranks % cp == 0 and training.seq_len % (2 * cp) == 0
+    ]
+    if not cuts:
+        return []
+    sequences = training.batch_size * training.grad_accum_steps
+    cut = {"parallel.cp_exchange": "latent"}
+    return [
+        core_levers(config)[0],
+        [alt for cp in cuts for alt in _batches(sequences * cp, {**cut, "parallel.cp": cp})],
     ]
 
 
@@ -221,6 +248,11 @@ def search_layouts(
         return fitting, planned, skipped
 
     proposals, planned, skipped = plan_all(levers)
+    if not proposals and base.parallel.cp == 1:  # the sequence needs cutting, if anything
+        cut = context_levers(base, world_size)
+        if cut:
+            proposals, more, refused = plan_all([*cut, *levers[2:]])
+            planned, skipped = planned + more, skipped + refused
     staged: list[Proposal] = []
     if base.parallel.pp == 1 and proposals:
         best = proposals[0]

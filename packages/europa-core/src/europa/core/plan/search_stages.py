@@ -38,7 +38,9 @@ def stage_levers(
     kept = {k: v for k, v in best_sets.items() if k not in CHOSEN_HERE}
     around = [{"plugins": list(best_plugins), "set": kept}]
     training = base.training
-    sequences = training.batch_size * training.grad_accum_steps
+    # a context-parallel group of the best layout reads cp times a rank's sequences
+    cut = best_sets.get("parallel.cp", base.parallel.cp) // base.parallel.cp
+    sequences = training.batch_size * training.grad_accum_steps * cut
     stages = []
     for pp in STAGE_COUNTS:
         per_replica, rest = divmod(world_size, pp * replicas)
