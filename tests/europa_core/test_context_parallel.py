@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from europa.core.model.attention import causal_blocks
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
 from tests.conftest import run_ranks
-from tests.europa_core.test_mla import _attention
+from tests.europa_core.test_mla import _attention, _spec
 
 zigzags = st.integers(1, 6).flatmap(
     lambda cp: st.tuples(st.just(cp), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3))
@@ -57,13 +57,48 @@ def test_a_cut_that_is_not_two_chunks_a_rank_is_refused():
         ZigZag(2, 0).cut(torch.zeros(1, 6))
 
 
-def _split_attention(rank: int, world: int, exchange: str, q_lora_rank: int, chunks: int):
-    """This rank's output, input gradient and the group's summed parameter gradients."""
+def _module(q_lora_rank: int, chunks: int, kernel: str):
+    """One MLA layer with QK-clip's maxima armed: europa's block-causal attention, or
+    torchtitan's SDPA (its math path on CPU; fused kernels on CUDA)."""
+    from europa.core.model.materialise import init_buffers
+    from europa.spec.logit_max import arm
+
+    if kernel == "block_causal":
+        module = _attention(q_lora_rank, 3, 4, 4, 5, chunks)
+    else:
+        from torchtitan.models.common.attention import ScaledDotProductAttention
+
+        spec = _spec(q_lora_rank, 3, 4, 4, 5, chunks)
+        spec.inner_attention = ScaledDotProductAttention.Config()
+        with torch.device("meta"):
+            module = _as_context_parallel_mla(spec).build()
+        module.to_empty(device="cpu")
+        init_buffers(module, torch.device("cpu"))
+        generator = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for param in module.parameters():
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    arm(module.inner_attention, module.n_heads)
+    return module
+
+
+def _as_context_parallel_mla(spec):
+    import dataclasses
+
+    from europa.core.model.mla import ContextParallelMLA
+
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
+    return ContextParallelMLA.Config(**fields)
+
+
+def _split_attention(rank, world, exchange, q_lora_rank, chunks, kernel):
+    """This rank's output and input gradient; the group's summed parameter gradients and
+    its heads' largest logits (a MAX over the group)."""
     import torch.distributed as dist
 
     from europa.core.model.context_parallel import ContextParallel
 
-    module = _attention(q_lora_rank, 3, 4, 4, 5, chunks)
+    module = _module(q_lora_rank, chunks, kernel)
     module.context_parallel = ContextParallel(dist.group.WORLD, ZigZag(world, rank), exchange)
     x, grad = _inputs(world)
     z = ZigZag(world, rank)
@@ -73,7 +108,9 @@ def _split_attention(rank: int, world: int, exchange: str, q_lora_rank: int, chu
     grads = [p.grad for p in module.parameters()]
     for g in grads:
         dist.all_reduce(g)
-    return [out.detach(), x.grad, *grads]
+    maxima = module.inner_attention.logit_max.read()
+    dist.all_reduce(maxima, op=dist.ReduceOp.MAX)
+    return [out.detach(), x.grad, *grads, maxima]
 
 
 def _inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,19 +120,28 @@ def _inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("world", "exchange", "q_lora_rank", "chunks"),
-    [(2, "latent", 8, 2), (2, "kv", 0, 1), (4, "latent", 0, 3), (4, "kv", 8, 2)],
+    ("world", "exchange", "q_lora_rank", "chunks", "kernel"),
+    [
+        (2, "latent", 8, 2, "block_causal"),
+        (2, "kv", 0, 1, "block_causal"),
+        (4, "latent", 0, 3, "block_causal"),
+        (4, "kv", 8, 2, "block_causal"),
+        (2, "latent", 8, 2, "sdpa"),
+        (4, "kv", 0, 1, "sdpa"),
+    ],
 )
 def test_attention_split_across_ranks_equals_the_whole_sequence(
-    world, exchange, q_lora_rank, chunks
+    world, exchange, q_lora_rank, chunks, kernel
 ):
-    module = _attention(q_lora_rank, 3, 4, 4, 5, chunks)
+    module = _module(q_lora_rank, chunks, kernel)
     x, grad = _inputs(world)
     x.requires_grad_()
     out = module(x, None, None)
     out.backward(grad)
-    whole = [out.detach(), x.grad, *(p.grad for p in module.parameters())]
-    results = run_ranks(_split_attention, world, exchange, q_lora_rank, chunks, timeout=60)
+    maxima = module.inner_attention.logit_max.read()
+    whole = [out.detach(), x.grad, *(p.grad for p in module.parameters()), maxima]
+    args = (exchange, q_lora_rank, chunks, kernel)
+    results = run_ranks(_split_attention, world, *args, timeout=60)
     for rank, got in enumerate(results):
         z = ZigZag(world, rank)
         expected = [z.cut(whole[0]), z.cut(whole[1]), *whole[2:]]

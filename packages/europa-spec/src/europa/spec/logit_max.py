@@ -57,15 +57,18 @@ def recorder(inner_attention: torch.nn.Module) -> LogitMax | None:
 
 @torch.no_grad()
 def causal_score_max(q_BLNH, k_BLNH, scale: float, into: LogitMax) -> None:
-    """Record the causal scores' maxima of (B, L, N, H) queries and keys, in blocks of rows."""
+    """Record the causal scores' maxima of (B, L, N, H) queries and keys, in blocks of rows.
+    Fewer queries than keys are the last positions (context parallelism's chunks)."""
     batch, seq_len, heads, _ = q_BLNH.shape
+    offset = k_BLNH.size(1) - seq_len  # the first query's position
     q, k = q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2)  # (B, N, L, H)
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * seq_len))
+    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * k_BLNH.size(1)))
     for start in range(0, seq_len, rows):
         end = min(seq_len, start + rows)
-        scores = torch.matmul(q[:, :, start:end], k[:, :, :end].mT).mul_(scale)
-        later = torch.arange(end, device=q.device) > torch.arange(
-            start, end, device=q.device
+        keys = offset + end
+        scores = torch.matmul(q[:, :, start:end], k[:, :, :keys].mT).mul_(scale)
+        later = torch.arange(keys, device=q.device) > torch.arange(
+            offset + start, keys, device=q.device
         ).unsqueeze(1)
         scores.masked_fill_(later, float("-inf"))
         into.observe(scores.flatten(0, 1), batch)

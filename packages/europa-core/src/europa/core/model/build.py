@@ -23,7 +23,7 @@ from europa.core.config.schema import ModelConfig
 from europa.core.model import init
 from europa.core.model.attention import BlockCausalAttention
 from europa.core.model.experts import NativeDtypeGroupedExperts
-from europa.core.model.mla import BlockCausalMLA
+from europa.core.model.mla import BlockCausalMLA, ContextParallelMLA
 
 
 def _rope(m: ModelConfig) -> ComplexRoPE.Config:
@@ -93,8 +93,8 @@ def model_spec(
     )
     for layer in layers:
         layer.attention.inner_attention = _inner_attention(attention)
-        if attention == "block_causal":
-            layer.attention = _as_config(BlockCausalMLA.Config, layer.attention)
+        mla = BlockCausalMLA if attention == "block_causal" else ContextParallelMLA
+        layer.attention = _as_config(mla.Config, layer.attention)
         for norm in (layer.attention_norm, layer.ffn_norm, layer.attention.kv_norm):
             norm.eps = m.norm_eps
         if layer.attention.q_norm is not None:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from europa.core.config.schema import CP_EXCHANGES
-from europa.core.model.attention import rotate
+from europa.core.model.attention import BlockCausalAttention, rotate
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
 
 
@@ -86,7 +86,7 @@ def gathered_features(attention, exchange: str) -> int:
 
 
 def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> torch.Tensor:
-    """``BlockCausalMLA``'s forward on this rank's rows of each sequence: the same
+    """``ContextParallelMLA``'s forward on this rank's rows of each sequence: the same
     projections, norms and rotations, the keys and values of the whole sequence."""
     batch, local_len, _ = x_BlD.shape
     nope, rope = attention.qk_nope_head_dim, attention.qk_rope_head_dim
@@ -115,13 +115,40 @@ def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> tor
     low_rank = attention.q_lora_rank > 0
     q = attention.wq_b(attention.q_norm(attention.wq_a(x_BlD))) if low_rank else attention.wq(x_BlD)
     q = q.view(batch, local_len, -1, attention.qk_head_dim)
-    output = attention.inner_attention.mla(
-        q,
-        kv,
-        k_pe,
-        rope_cache,
-        nope=nope,
-        scale=attention.softmax_scale,
-        segments=context.zigzag.segments(local_len),
-    )
-    return attention.wo(output.view(batch, local_len, -1))
+    segments = context.zigzag.segments(local_len)
+    inner, scale = attention.inner_attention, attention.softmax_scale
+    if isinstance(inner, BlockCausalAttention):
+        output = inner.mla(q, kv, k_pe, rope_cache, nope=nope, scale=scale, segments=segments)
+    else:
+        output = _sdpa_chunks(inner, q, kv, k_pe, rope_cache, nope, scale, segments)
+    return attention.wo(output.reshape(batch, local_len, -1))
+
+
+def _sdpa_chunks(inner, q_BlNQ, kv_BLNF, k_pe_BLnR, rope_cache, nope, scale, segments):
+    """torch's SDPA (fused kernels on CUDA) for each chunk of this rank's rows: its queries
+    against the keys up to its last position, causal from the bottom right. QK-clip's
+    maxima, where armed, as the pre-hook beside SDPA takes them."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from europa.spec.logit_max import causal_score_max, recorder
+
+    q_pe = rotate(q_BlNQ[..., nope:], rope_cache)
+    q = torch.cat([q_BlNQ[..., :nope], q_pe], dim=-1)
+    k_nope, v = torch.split(kv_BLNF, [nope, kv_BLNF.size(-1) - nope], dim=-1)
+    k = torch.cat([k_nope, k_pe_BLnR.expand(-1, -1, k_nope.size(2), -1)], dim=-1)
+    into = recorder(inner)
+    outputs = []
+    for first_row, first_position, rows in segments:
+        keys = first_position + rows
+        q_chunk = q[:, first_row : first_row + rows]
+        if into is not None:
+            causal_score_max(q_chunk, k[:, :keys], scale, into)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_chunk.transpose(1, 2),
+            k[:, :keys].transpose(1, 2),
+            v[:, :keys].transpose(1, 2),
+            attn_mask=causal_lower_right(rows, keys),
+            scale=scale,
+        )
+        outputs.append(out.transpose(1, 2))
+    return torch.cat(outputs, dim=1)

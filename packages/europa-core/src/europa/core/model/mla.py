@@ -1,4 +1,5 @@
-"""torchtitan's DeepSeek-V3 attention (MLA) for CPU runs, without its concatenations.
+"""torchtitan's DeepSeek-V3 attention (MLA) for CPU runs, without its concatenations;
+and, for any attention, context parallelism (``ContextParallelMLA``).
 
 torchtitan's ``Attention.forward`` concatenates the query's two parts (``q_nope``, the
 rotated ``q_pe``) and the key's (``k_nope``, the shared ``k_pe`` expanded over the heads)
@@ -22,12 +23,27 @@ from europa.core.model import context_parallel
 from europa.core.model.attention import BlockCausalAttention, rotate
 
 
-class BlockCausalMLA(Attention):
-    # set by ``parallel.cp``: this rank holds part of each sequence (``context_parallel``)
+class ContextParallelMLA(Attention):
+    """torchtitan's MLA, or, once ``parallel.cp`` sets ``context_parallel``, the same on
+    this rank's rows of each sequence (``europa.core.model.context_parallel``)."""
+
     context_parallel: context_parallel.ContextParallel | None = None
 
     @dataclass(kw_only=True, slots=True)
     class Config(Attention.Config):
+        pass
+
+    def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
+        if self.context_parallel is None:
+            return super().forward(x, attention_masks, positions)
+        if attention_masks is not None or positions is not None:
+            raise ValueError("context parallelism places each row itself (zig-zag)")
+        return context_parallel.mla_forward(self, x, self.context_parallel)
+
+
+class BlockCausalMLA(ContextParallelMLA):
+    @dataclass(kw_only=True, slots=True)
+    class Config(ContextParallelMLA.Config):
         pass
 
     def __init__(self, config: Config) -> None:
@@ -40,11 +56,9 @@ class BlockCausalMLA(Attention):
 
     def forward(self, x: torch.Tensor, attention_masks, positions: torch.Tensor | None = None):
         if self.context_parallel is not None:
-            if attention_masks is not None or positions is not None:
-                raise ValueError("context parallelism places each row itself (zig-zag)")
-            return context_parallel.mla_forward(self, x, self.context_parallel)
-        if attention_masks is not None or positions is not None:  # torchtitan's own path
             return super().forward(x, attention_masks, positions)
+        if attention_masks is not None or positions is not None:  # torchtitan's own path
+            return Attention.forward(self, x, attention_masks, positions)
         bsz, seqlen, _ = x.size()
         low_rank = self.q_lora_rank > 0
         q = self.wq_b(self.q_norm(self.wq_a(x))) if low_rank else self.wq(x)

@@ -16,7 +16,7 @@ import torch
 from europa.core.config.values import fail
 from europa.core.launch.distributed import context_parallel_group
 from europa.core.model.context_parallel import ContextParallel
-from europa.core.model.mla import BlockCausalMLA
+from europa.core.model.mla import ContextParallelMLA
 from europa.core.model.zigzag import ZigZag
 
 
@@ -40,11 +40,10 @@ def enable(job, model: torch.nn.Module) -> ContextParallel:
     attend across it."""
     parallel = job.config.parallel
     attentions = [m for m in model.modules() if hasattr(m, "kv_lora_rank")]
-    others = [type(m).__name__ for m in attentions if not isinstance(m, BlockCausalMLA)]
-    if others:
-        raise fail("parallel.cp", parallel.cp,
-                   f"1 with {others[0]} attention (context parallelism runs block-causal MLA, "
-                   'europa\'s CPU attention: parallel.device = "cpu")')  # fmt: skip
+    others = [type(m).__name__ for m in attentions if not isinstance(m, ContextParallelMLA)]
+    if others:  # a plugin's own model
+        why = f"1 with {others[0]} attention (context parallelism runs europa's MLA)"
+        raise fail("parallel.cp", parallel.cp, why)
     group, rank = context_parallel_group(job.mesh, parallel.cp)
     context = ContextParallel(group, ZigZag(parallel.cp, rank), parallel.cp_exchange)
     for attention in attentions:

@@ -30,15 +30,5 @@ def europa_build_model(job: PlanningJob) -> torch.nn.Module:
 
     fp32 = job.config.training.dtype == "float32"
     attention = "block_causal" if runs_on_cpu(job) else "sdpa"
-    cp = job.config.parallel.cp
-    if cp > 1 and attention != "block_causal":
-        from europa.core.config.values import fail
-
-        raise fail(
-            "parallel.cp",
-            cp,
-            "1 on CUDA (context parallelism runs europa's block-causal attention, the CPU "
-            'one, for now): parallel.device = "cpu"',
-        )
     model = routed_model(job.config, job.world_size, job.node_size)
     return build_moe_model(model, native_dtype_experts=fp32, attention=attention)
