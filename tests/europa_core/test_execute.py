@@ -108,6 +108,29 @@ def test_a_pipeline_rank_executes_as_its_own_plan_with_its_stage_sends(capsys):
         assert rank["agrees"], rank["rank"]
 
 
+def test_a_context_parallel_rank_executes_its_gathers_as_planned(capsys):
+    # cp = 2 on the GPU path (torch's SDPA, each chunk causal from the bottom right, on the
+    # stand-in), with europa-overlap's timeline and offload, every block recomputed (a
+    # second gather), FlexShard with ep = 2 beside
+    code, out, _ = _run(capsys, "plan", "debug", "--hardware", "gh200-jupiter", "--replicas",
+                        "1", "--gpus-per-replica", "4", "-p", "flexshard", "-p", "overlap",
+                        "-p", "offload", "--set", "parallel.ep=2", "--set", "parallel.cp=2",
+                        "--set", "training.seq_len=256", "--set", "training.batch_size=2",
+                        "--set", 'training.dtype="bfloat16"',
+                        "--set", 'activation_checkpointing.mode="full"', "--execute", "0",
+                        "--json")  # fmt: skip
+    assert code == 0
+    (rank,) = json.loads(out)["execution"]
+    rows = {(t["kind"], t["link"]): t for t in rank["traffic"]}
+    gather = rows["context_gather", "intra_node"]
+    scatter = rows["context_reduce_scatter", "intra_node"]
+    assert gather["planned"] == 2 * scatter["planned"] > 0  # recomputed: gathered twice
+    for row in (gather, scatter):
+        assert row["executed"] == row["planned"], row
+    assert abs(rank["memory"]["device"]["ratio"] - 1) <= 0.10, rank["memory"]["device"]
+    assert rank["agrees"]
+
+
 @pytest.mark.parametrize(
     ("extra", "says"),
     [

@@ -156,6 +156,7 @@ def run_step_program(
 
     ledger = ledger or MemoryLedger(device_type=job.device.type)
     hook, training, device = manager.hook, job.config.training, job.device
+    rows = training.seq_len // job.config.parallel.cp  # a rank's rows of each sequence
     seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
@@ -172,12 +173,12 @@ def run_step_program(
                 if context is not None:
                     stack.enter_context(context)
             if pipeline is not None:  # the micro-batches stacked, as the trainer hands them
-                shape = (training.batch_size * training.grad_accum_steps, training.seq_len)
+                shape = (training.batch_size * training.grad_accum_steps, rows)
                 inputs = torch.zeros(shape, dtype=torch.long, device=device)
                 with phase("forward", "forward_backward"), _chunk_phases(ledger):
                     pipeline.forward_backward(inputs, inputs)
             for _ in range(training.grad_accum_steps if pipeline is None else 0):
-                shape = (training.batch_size, training.seq_len)
+                shape = (training.batch_size, rows)
                 inputs = torch.zeros(shape, dtype=torch.long, device=device)
                 with phase("forward", "forward"):
                     loss = next_token_loss(model, inputs, inputs)
@@ -210,6 +211,10 @@ def run_step_program(
                 init_matrix = initialiser(model) if initialiser else _no_values
                 model = place_model(job, manager, model, init_matrix)
                 model.train()
+                if job.config.parallel.cp > 1:
+                    from europa.core.train import context_parallel
+
+                    context_parallel.enable(job, model)
                 if job.config.optimizer.qk_clip:
                     optimizer = job.config.optimizer
                     clip = QKClip(model, job.config.model.n_layers, optimizer.qk_clip_tau)

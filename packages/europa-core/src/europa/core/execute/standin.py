@@ -19,7 +19,9 @@ per device type: for an unknown one it takes the math fallback, which holds ever
 (query, key) score, so ``F.scaled_dot_product_attention`` on the stand-in runs cuDNN's
 fused kernel instead, the first fused one in torchtitan's order (cuDNN, flash, math) and
 the one a Hopper GPU takes for MLA's unequal query and value head sizes: it keeps the
-output and one log-sum-exp per query and head, as flash attention would.
+output and one log-sum-exp per query and head, as flash attention would. A causal mask
+aligned to the last key (context parallelism's chunks) runs as its causal kernel: the
+same saved tensors.
 
 One process registers it once, before any tensor is made: ``install()``.
 """
@@ -75,6 +77,8 @@ class _StandinModule:
 
 
 def _fused_attention(original):
+    from torch.nn.attention.bias import CausalBias
+
     def scaled_dot_product_attention(
         query,
         key,
@@ -85,10 +89,12 @@ def _fused_attention(original):
         scale=None,
         enable_gqa=False,
     ):
-        if query.device.type != STANDIN or attn_mask is not None or enable_gqa:
-            return original(
-                query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa
-            )
+        lower_right = isinstance(attn_mask, CausalBias)  # context parallelism's chunks
+        masked = attn_mask is not None and not lower_right
+        if query.device.type != STANDIN or masked or enable_gqa:
+            return original(query, key, value, attn_mask, dropout_p, is_causal,
+                            scale=scale, enable_gqa=enable_gqa)  # fmt: skip
+        is_causal = is_causal or lower_right  # the same saved tensors, whichever corner
         grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         return torch.ops.aten._scaled_dot_product_cudnn_attention(
             query, key, value, None, grad, dropout_p, is_causal, False, scale=scale

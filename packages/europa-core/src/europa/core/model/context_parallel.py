@@ -23,6 +23,10 @@ import torch.distributed as dist
 from europa.core.config.schema import CP_EXCHANGES
 from europa.core.model.attention import BlockCausalAttention, rotate
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
+from europa.spec.tags import mark_traffic
+
+# The traffic each direction is (``europa.spec.tags.mark_traffic``; the planner's kinds).
+EXCHANGE_KINDS = GATHER, REDUCE_SCATTER = ("context_gather", "context_reduce_scatter")
 
 
 @dataclass(slots=True)
@@ -58,7 +62,9 @@ class _GatherSequence(torch.autograd.Function):
         cp = dist.get_world_size(group)
         batch, local_len, features = local_BlF.shape
         gathered = local_BlF.new_empty(cp * batch * local_len * features)
-        dist.all_gather_single(gathered, local_BlF.contiguous().view(-1), group=group)
+        payload = local_BlF.contiguous().view(-1)
+        mark_traffic(payload, GATHER)
+        dist.all_gather_single(gathered, payload, group=group)
         sent.count += (cp - 1) * local_BlF.numel() * local_BlF.element_size()
         ctx.group, ctx.sent = group, sent
         return whole_from_gathered(gathered.view(cp, batch, local_len, features))
@@ -68,7 +74,9 @@ class _GatherSequence(torch.autograd.Function):
         cp = dist.get_world_size(ctx.group)
         per_rank = gathered_from_whole(grad_BLF, cp).contiguous()
         mine = per_rank.new_empty(per_rank.shape[1:])
-        dist.reduce_scatter_single(mine.view(-1), per_rank.view(-1), group=ctx.group)
+        payload = per_rank.view(-1)
+        mark_traffic(payload, REDUCE_SCATTER)
+        dist.reduce_scatter_single(mine.view(-1), payload, group=ctx.group)
         ctx.sent.count += (cp - 1) * mine.numel() * mine.element_size()
         return mine, None, None
 
@@ -128,8 +136,6 @@ def _sdpa_chunks(inner, q_BlNQ, kv_BLNF, k_pe_BLnR, rope_cache, nope, scale, seg
     """torch's SDPA (fused kernels on CUDA) for each chunk of this rank's rows: its queries
     against the keys up to its last position, causal from the bottom right. QK-clip's
     maxima, where armed, as the pre-hook beside SDPA takes them."""
-    from torch.nn.attention.bias import causal_lower_right
-
     from europa.spec.logit_max import causal_score_max, recorder
 
     q_pe = rotate(q_BlNQ[..., nope:], rope_cache)
@@ -147,8 +153,20 @@ def _sdpa_chunks(inner, q_BlNQ, kv_BLNF, k_pe_BLnR, rope_cache, nope, scale, seg
             q_chunk.transpose(1, 2),
             k[:, :keys].transpose(1, 2),
             v[:, :keys].transpose(1, 2),
-            attn_mask=causal_lower_right(rows, keys),
+            attn_mask=_lower_right(rows, keys),
             scale=scale,
         )
         outputs.append(out.transpose(1, 2))
     return torch.cat(outputs, dim=1)
+
+
+def _lower_right(rows: int, keys: int):
+    """torch's causal mask aligned to the last key, which its fused kernels take without
+    materialising it. A tensor subclass without data: made outside any dispatch mode (fake
+    tensors under ``europa plan --execute``, europa-overlap's timeline), which would hand
+    it a plain tensor to wrap."""
+    from torch.nn.attention.bias import causal_lower_right
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        return causal_lower_right(rows, keys)

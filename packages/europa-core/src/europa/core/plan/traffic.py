@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from europa.core.model.context_parallel import EXCHANGE_KINDS
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.plan.links import ring_network_share
 from europa.spec.plan_layout import ROOT_UNIT, STEP
@@ -55,9 +56,8 @@ def ring_share(size: int) -> float:
 
 
 EXCHANGE_KIND = "expert_all_to_all"  # tokens to their experts and back
-# context parallelism: each MLA layer gathers what it attends to, then reduce-scatters its
-# gradient (europa.core.plan.context)
-CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER = "context_gather", "context_reduce_scatter"
+# context parallelism's (europa.core.plan.context)
+CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER = EXCHANGE_KINDS
 
 # The collective each kind of traffic is (a hardware profile may rate each on its own).
 COLLECTIVE = {
