@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from europa.core.model.attention import causal_blocks
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
 from tests.conftest import run_ranks
-from tests.europa_core.test_mla import _attention, _spec
+from tests.europa_core.test_mla import _attention
 
 zigzags = st.integers(1, 6).flatmap(
     lambda cp: st.tuples(st.just(cp), st.integers(1, 4), st.integers(1, 3), st.integers(1, 3))
@@ -60,35 +60,11 @@ def test_a_cut_that_is_not_two_chunks_a_rank_is_refused():
 def _module(q_lora_rank: int, chunks: int, kernel: str):
     """One MLA layer with QK-clip's maxima armed: europa's block-causal attention, or
     torchtitan's SDPA (its math path on CPU; fused kernels on CUDA)."""
-    from europa.core.model.materialise import init_buffers
     from europa.spec.logit_max import arm
 
-    if kernel == "block_causal":
-        module = _attention(q_lora_rank, 3, 4, 4, 5, chunks)
-    else:
-        from torchtitan.models.common.attention import ScaledDotProductAttention
-
-        spec = _spec(q_lora_rank, 3, 4, 4, 5, chunks)
-        spec.inner_attention = ScaledDotProductAttention.Config()
-        with torch.device("meta"):
-            module = _as_context_parallel_mla(spec).build()
-        module.to_empty(device="cpu")
-        init_buffers(module, torch.device("cpu"))
-        generator = torch.Generator().manual_seed(0)
-        with torch.no_grad():
-            for param in module.parameters():
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    module = _attention(q_lora_rank, 3, 4, 4, 5, chunks, attention=kernel)
     arm(module.inner_attention, module.n_heads)
     return module
-
-
-def _as_context_parallel_mla(spec):
-    import dataclasses
-
-    from europa.core.model.mla import ContextParallelMLA
-
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(spec)}
-    return ContextParallelMLA.Config(**fields)
 
 
 def _split_attention(rank, world, exchange, q_lora_rank, chunks, kernel):

@@ -12,7 +12,15 @@ from europa.core.model.attention import BlockCausalAttention
 from europa.core.model.mla import BlockCausalMLA
 
 
-def _spec(q_lora_rank: int, heads: int, nope: int, rope: int, v_dim: int, chunks: int):
+def _spec(
+    q_lora_rank: int,
+    heads: int,
+    nope: int,
+    rope: int,
+    v_dim: int,
+    chunks: int,
+    attention: str = "block_causal",
+):
     from europa.core.config.schema import ModelConfig
     from europa.core.model import model_spec
 
@@ -36,15 +44,25 @@ def _spec(q_lora_rank: int, heads: int, nope: int, rope: int, v_dim: int, chunks
         rope_factor=40.0,
         rope_original_seq_len=16,
     )
-    spec = model_spec(config, attention="block_causal").layers[0].attention
-    spec.inner_attention = BlockCausalAttention.Config(chunks=chunks)
+    spec = model_spec(config, attention=attention).layers[0].attention
+    if attention == "block_causal":
+        spec.inner_attention = BlockCausalAttention.Config(chunks=chunks)
     return spec
 
 
-def _attention(q_lora_rank: int, heads: int, nope: int, rope: int, v_dim: int, chunks: int):
+def _attention(
+    q_lora_rank: int,
+    heads: int,
+    nope: int,
+    rope: int,
+    v_dim: int,
+    chunks: int,
+    attention: str = "block_causal",
+):
+    """One MLA layer (``model_spec``'s, with ``attention``) on the CPU, random weights."""
     from europa.core.model.materialise import init_buffers
 
-    spec = _spec(q_lora_rank, heads, nope, rope, v_dim, chunks)
+    spec = _spec(q_lora_rank, heads, nope, rope, v_dim, chunks, attention)
     with torch.device("meta"):
         module = spec.build()
     module.to_empty(device="cpu")

@@ -52,6 +52,7 @@ from europa.core.launch.resume import (
     resumes,
 )
 from europa.core.launch.stores import address_toward, endpoint_address, is_loopback_endpoint
+from europa.core.plan.context import sequence_groups
 from europa.core.plugins.manager import EuropaPluginManager
 from europa.core.run_dir import (
     CACHE,
@@ -113,8 +114,8 @@ def preflight(
                 file=sys.stderr,
             )
         check_compatible(path, model)
-        sequence_groups = world_size // (config.parallel.pp * config.parallel.cp)
-        check_global_batch(path, config.training, replicas * sequence_groups)
+        groups = sequence_groups(config.parallel, world_size)
+        check_global_batch(path, config.training, replicas * groups)
     elif config.model.init_from:
         from europa.core.hf.load import open_initialiser
         from europa.core.model import model_spec

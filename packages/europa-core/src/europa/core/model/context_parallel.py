@@ -85,14 +85,6 @@ def gather_sequence(local_BlF: torch.Tensor, context: ContextParallel) -> torch.
     return _GatherSequence.apply(local_BlF, context.group, context.sent)
 
 
-def gathered_features(attention, exchange: str) -> int:
-    """Numbers a token sends in ``exchange`` for one MLA layer."""
-    if exchange == "latent":
-        return attention.kv_lora_rank + attention.qk_rope_head_dim
-    # every head's keys (the rotary key once per head) and values
-    return attention.n_heads * (attention.qk_head_dim + attention.v_head_dim)
-
-
 def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> torch.Tensor:
     """``ContextParallelMLA``'s forward on this rank's rows of each sequence: the same
     projections, norms and rotations, the keys and values of the whole sequence."""

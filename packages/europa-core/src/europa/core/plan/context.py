@@ -15,6 +15,12 @@ from __future__ import annotations
 from europa.core.config.schema import ModelConfig
 
 
+def sequence_groups(parallel, world_size: int) -> int:
+    """Groups of ranks reading different sequences: a pipeline's ranks read the same, and
+    so do a context-parallel group's."""
+    return world_size // (parallel.pp * parallel.cp)
+
+
 def rows_per_micro_batch(config) -> int:
     """Token rows a rank computes per micro-batch: its share of each sequence."""
     t = config.training

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ConfigError
+from europa.core.plan.context import sequence_groups
 from europa.plan import builtins
 from europa.plan.record import FLEXSHARD, Layout, Model, Recompute, Run
 
@@ -74,7 +75,7 @@ def compute_record(config: EuropaConfig, hardware: str, world_size: int) -> Run:
 
 def _run(config: EuropaConfig, hardware: str, world_size: int) -> Run:
     parallel, training = config.parallel, config.training
-    dp = world_size // (parallel.pp * parallel.cp)
+    dp = sequence_groups(parallel, world_size)
     per_rank = parallel.pp_stages_per_rank or (1 if parallel.pp_schedule == "1f1b" else 2)
     checkpointing = config.extensions.get("activation_checkpointing")
     full = checkpointing is not None and checkpointing.mode == "full"

@@ -8,6 +8,7 @@ from typing import Any
 from europa.core.config.schema import EuropaConfig
 from europa.core.errors import ResourceError
 from europa.core.plan.checkpoint_cost import lost_per_save
+from europa.core.plan.context import sequence_groups
 from europa.core.plan.goodput import Goodput, estimate
 from europa.core.plan.hardware import HardwareProfile
 from europa.core.plan.memory import Activations, MemoryModel, RankState
@@ -170,8 +171,7 @@ class Plan:
     @property
     def tokens_per_step(self) -> int:
         t = self.config.training
-        # a pipeline's ranks read the same sequences, and so do a context-parallel group's
-        readers = self.world_size // (self.config.parallel.pp * self.config.parallel.cp)
+        readers = sequence_groups(self.config.parallel, self.world_size)
         return t.batch_size * t.seq_len * t.grad_accum_steps * readers
 
     def rank_state(self, global_rank: int) -> dict[str, int]:
