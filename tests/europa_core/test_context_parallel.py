@@ -67,7 +67,7 @@ def _module(q_lora_rank: int, chunks: int, kernel: str):
     return module
 
 
-def _split_attention(rank, world, exchange, q_lora_rank, chunks, kernel):
+def _split_attention(rank, world, exchange, q_lora_rank, chunks, kernel, early=False):
     """This rank's output and input gradient; the group's summed parameter gradients and
     its heads' largest logits (a MAX over the group)."""
     import torch.distributed as dist
@@ -75,7 +75,10 @@ def _split_attention(rank, world, exchange, q_lora_rank, chunks, kernel):
     from europa.core.model.context_parallel import ContextParallel
 
     module = _module(q_lora_rank, chunks, kernel)
-    module.context_parallel = ContextParallel(dist.group.WORLD, ZigZag(world, rank), exchange)
+    zigzag = ZigZag(world, rank)
+    module.context_parallel = ContextParallel(
+        dist.group.WORLD, zigzag, exchange, gather_early=early
+    )
     x, grad = _inputs(world)
     z = ZigZag(world, rank)
     x = z.cut(x).requires_grad_()
@@ -96,19 +99,20 @@ def _inputs(cp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("world", "exchange", "q_lora_rank", "chunks", "kernel"),
+    ("world", "exchange", "q_lora_rank", "chunks", "kernel", "early"),
     [
-        (2, "latent", 8, 2, "block_causal"),
-        (2, "kv", 0, 1, "block_causal"),
-        (4, "latent", 0, 3, "block_causal"),
-        (4, "kv", 8, 2, "block_causal"),
-        (2, "latent", 8, 2, "sdpa"),
-        (4, "kv", 0, 1, "sdpa"),
+        (2, "latent", 8, 2, "block_causal", False),
+        (2, "kv", 0, 1, "block_causal", True),
+        (4, "latent", 0, 3, "block_causal", True),
+        (4, "kv", 8, 2, "block_causal", False),
+        (2, "latent", 8, 2, "sdpa", True),
+        (4, "kv", 0, 1, "sdpa", False),
     ],
 )
 def test_attention_split_across_ranks_equals_the_whole_sequence(
-    world, exchange, q_lora_rank, chunks, kernel
+    world, exchange, q_lora_rank, chunks, kernel, early
 ):
+    """``early``: the gather issued before the query projection (europa-overlap)."""
     module = _module(q_lora_rank, chunks, kernel)
     x, grad = _inputs(world)
     x.requires_grad_()
@@ -116,10 +120,70 @@ def test_attention_split_across_ranks_equals_the_whole_sequence(
     out.backward(grad)
     maxima = module.inner_attention.logit_max.read()
     whole = [out.detach(), x.grad, *(p.grad for p in module.parameters()), maxima]
-    args = (exchange, q_lora_rank, chunks, kernel)
+    args = (exchange, q_lora_rank, chunks, kernel, early)
     results = run_ranks(_split_attention, world, *args, timeout=60)
     for rank, got in enumerate(results):
         z = ZigZag(world, rank)
         expected = [z.cut(whole[0]), z.cut(whole[1]), *whole[2:]]
         for a, b in zip(got, expected, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _exchange_order(rank, world, early):
+    """The order, on this rank, of the exchange's issues and waits and of the query
+    projection's forward and backward."""
+    import torch.distributed as dist
+
+    from europa.core.model.context_parallel import ContextParallel
+
+    events = []
+
+    class Recorded:  # a collective's work whose wait is recorded
+        def __init__(self, work, name):
+            self.work, self.name = work, name
+
+        def wait(self):
+            events.append(f"{self.name} waited")
+            return self.work.wait()
+
+    def recording(collective, name):
+        def issue(*args, **kwargs):
+            events.append(f"{name} issued")
+            return Recorded(collective(*args, **kwargs), name)
+
+        return issue
+
+    dist.all_gather_single = recording(dist.all_gather_single, "gather")
+    dist.reduce_scatter_single = recording(dist.reduce_scatter_single, "reduce-scatter")
+    module = _module(8, 2, "block_causal")
+    module.context_parallel = ContextParallel(
+        dist.group.WORLD, ZigZag(world, rank), "latent", gather_early=early
+    )
+    module.wq_a.register_forward_pre_hook(lambda *_: events.append("queries"))
+    module.wq_a.register_full_backward_hook(lambda *_: events.append("queries' backward"))
+    x, grad = _inputs(world)
+    x = ZigZag(world, rank).cut(x).requires_grad_()
+    module(x, None, None).backward(ZigZag(world, rank).cut(grad))
+    return events
+
+
+def test_europa_overlap_issues_the_gather_before_the_queries_and_waits_after():
+    """Early, the gather travels while the query projection computes, and the
+    reduce-scatter while its backward does; otherwise each is waited for at once."""
+    early, at_once = (run_ranks(_exchange_order, 2, e, timeout=60)[0] for e in (True, False))
+    assert early == [
+        "gather issued",
+        "queries",
+        "gather waited",
+        "reduce-scatter issued",
+        "queries' backward",
+        "reduce-scatter waited",
+    ]
+    assert at_once == [
+        "gather issued",
+        "gather waited",
+        "queries",
+        "queries' backward",
+        "reduce-scatter issued",
+        "reduce-scatter waited",
+    ]

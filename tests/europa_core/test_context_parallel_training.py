@@ -36,7 +36,9 @@ def _runs():
         Run("cp1", [*BASE, "training.batch_size=1", *SAVES]),
         Run("cp2-latent", [*BASE, *_cp(2), *SAVES]),
         Run("cp2-kv", [*BASE, *_cp(2, "kv")]),
-        *(Run(f"cp4-{ex}", [*BASE, *_cp(4, ex)]) for ex in ("latent", "kv")),
+        Run("cp4-latent", [*BASE, *_cp(4)]),
+        # europa-overlap: each gather issued before the query projection, waited after it
+        Run("cp4-kv", [*BASE, *_cp(4, "kv")], ["overlap"]),
         # the step-SAVED checkpoints, resumed across a change of cp
         Run("cp1-from-cp2", [*BASE, "training.batch_size=1"], resume_from="cp2-latent"),
         Run("cp2-from-cp1", [*BASE, *_cp(2)], resume_from="cp1"),

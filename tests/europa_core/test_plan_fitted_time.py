@@ -161,3 +161,26 @@ def test_the_optimizer_step_reads_and_writes_the_ranks_state_once_as_europa_plan
     assert plan.step.optimizer_s == pytest.approx(expected) and expected > 0
     step = plan.step
     assert step.step_s == pytest.approx(step.compute_s + step.exposed_s + step.optimizer_s)
+
+
+def test_europa_overlap_hides_the_context_exchange_behind_the_query_projection_only():
+    """cp = 8 over two nodes with the kv exchange, whose every transfer outlasts the query
+    projection: europa-overlap hides, per link, the projection's forward of each gather and
+    its backward (twice the forward) of each reduce-scatter, its share of the step's FLOPs
+    priced at the step's compute; the rest waits, although the step's compute would cover
+    it. Without europa-overlap each is waited for at once."""
+    cp = ["parallel.cp=8", "training.seq_len=16384", "training.batch_size=1"]
+    settings = [BF16, *cp, "parallel.cp_exchange='kv'"]
+    exposed = {}
+    for plugins in ([], ["overlap"]):
+        config, manager = open_session("debug", settings, plugins)
+        plan = make_plan(config, manager, load_profile("gh200-jupiter"), 16)
+        exposed[bool(plugins)] = plan.step.exposed_s
+    m, t = config.model, config.training
+    assert config.section("activation_checkpointing").mode == "none" and not m.q_lora_rank
+    rows = t.batch_size * t.seq_len // 8 * t.grad_accum_steps
+    queries = 2 * m.dim * m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim) * rows
+    forward = plan.step.compute_s * queries * m.n_layers / (plan.model_flops_per_token * rows)
+    context = [s for (kind, _), s in plan.step.link_s.items() if kind.startswith("context")]
+    assert len(context) == 4 and min(context) > 2 * forward  # intra and inter node
+    assert exposed[False] - exposed[True] == pytest.approx(2 * forward + 2 * 2 * forward)

@@ -3,6 +3,8 @@ europa-core's plans take: what a step waits for of the transfers it states."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -37,6 +39,7 @@ def transfers(draw, overlapped=st.booleans()):
                 last_backward=draw(st.booleans()),
                 tail_bytes=draw(st.floats(0, 1)) * size,
                 budget=draw(st.sampled_from(("", "host"))),
+                beside_s=draw(st.none() | st.floats(0, 10)),
             )
         )
     return out
@@ -84,9 +87,7 @@ def test_more_bytes_never_make_a_step_shorter(items, data):
         return
     i = data.draw(st.integers(0, len(items) - 1))
     grown = list(items)
-    t = grown[i]
-    grown[i] = Transfer(t.kind, t.link, t.bytes * 2, t.rate, t.overlapped, t.last_backward,
-                        t.tail_bytes, t.budget)  # fmt: skip
+    grown[i] = dataclasses.replace(grown[i], bytes=grown[i].bytes * 2)
     assert _step(grown).step_s >= _step(items).step_s * (1 - 1e-12)
 
 
@@ -101,6 +102,18 @@ def test_sums_of_the_last_backward_hide_behind_that_backward_only():
     assert _step([sums], compute_s=12.0, micro_batches=4).exposed_s == pytest.approx(1.0)
     whole = Transfer("sums", "inter_node", 3e9, 1e9, True)
     assert _step([whole], compute_s=12.0, micro_batches=4).exposed_s == 0.0
+
+
+def test_a_transfer_beside_part_of_the_compute_exposes_what_exceeds_that_part():
+    """Context parallelism's gather beside the query projection (0.25 s of a 10 s step):
+    1 s of it waits 0.75 s however long the step; its hidden part still takes its link's
+    time from the rest, which the step's compute covers."""
+    gather = Transfer("context_gather", "inter_node", 1e9, 1e9, True, beside_s=0.25)
+    assert _step([gather], compute_s=10.0).exposed_s == pytest.approx(0.75)
+    short = dataclasses.replace(gather, bytes=2e8)
+    assert _step([short], compute_s=10.0).exposed_s == 0.0
+    experts = Transfer("expert_all_to_all", "inter_node", 9.9e9, 1e9, True)
+    assert _step([gather, experts], compute_s=10.0).exposed_s == pytest.approx(0.75 + 0.15)
 
 
 def test_links_sharing_a_budget_add_up_and_others_do_not():

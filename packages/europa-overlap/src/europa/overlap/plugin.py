@@ -15,7 +15,10 @@ layout that won ``europa_shard_model`` without importing it:
   (``set_modules_to_forward_prefetch`` and friends);
 * europa-offload: its copies already run on a side stream ordered by events on
   CUDA (nothing to add; on a CPU-only machine there is no stream and a copy is
-  a plain ``memcpy`` on the training thread).
+  a plain ``memcpy`` on the training thread);
+* context parallelism (core's ``parallel.cp``): ``job.state[CONTEXT_GATHER_EARLY]``
+  has each MLA layer issue its gather before the query projection and wait after it,
+  and run that projection's backward beside the reduce-scatter.
 
 ``job.state["overlap"]`` holds an ``OverlapRun``: the ``Timeline`` (when
 ``overlap.timeline``), the layers whose all-to-all is overlapped, and the
@@ -35,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from europa.overlap.errors import OverlapError
 from europa.spec.hookspecs import hookimpl
-from europa.spec.job import STAGE_MODULES
+from europa.spec.job import CONTEXT_GATHER_EARLY, STAGE_MODULES
 from europa.spec.plan_layout import RESHARD_POLICIES
 
 if TYPE_CHECKING:
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own
 # schedule; europa-core's plan.timing.LAYOUT_OVERLAPPED), which this plugin keeps.
+CONTEXT_KINDS = ("context_gather", "context_reduce_scatter")  # beside the query projection
 LAYOUT_OVERLAPPED = (
     "parameter_gather",
     "gradient_reduce_scatter",
@@ -176,6 +180,7 @@ def europa_wrap_model(job: RunningJob, model: torch.nn.Module) -> None:
     chunks = expert_chunks(job)
     if chunks:
         run.expert_layers = overlap_expert_all_to_all(model, chunks)
+    job.state[CONTEXT_GATHER_EARLY] = True
     if table.timeline:
         run.timeline = Timeline(job.rank).install()
     job.state[NAME] = run
@@ -254,10 +259,11 @@ def europa_search_levers(
 @hookimpl
 def europa_plan(job: PlanningJob, plan: PlanMapping) -> None:
     """Add ``plan["overlapped_kinds"]`` (europa-core's planner hides these kinds behind
-    compute): the layout's own plus the expert all-to-all (in chunks: ``expert_chunks``) and
-    host copies (europa-offload's side-stream copies), and ``plan["overlap"]``."""
+    compute): the layout's own plus the expert all-to-all (in chunks: ``expert_chunks``),
+    host copies (europa-offload's side-stream copies) and context parallelism's exchange
+    (the planner's window: the query projection), and ``plan["overlap"]``."""
     table = job.config.section(NAME)
-    kinds = list(LAYOUT_OVERLAPPED)
+    kinds = [*LAYOUT_OVERLAPPED, *CONTEXT_KINDS]
     chunks = expert_chunks(job)
     if chunks:
         kinds.append("expert_all_to_all")

@@ -13,7 +13,9 @@ does not overlap adds its seconds. Overlapped transfers add up per link (links n
 with one ``budget`` share it: a host link's two directions, timed one at a time at
 their own rates), and a link exposes what exceeds the compute beside it, what of the
 sums issued in the last micro-batch's backward exceeds that backward, and at least what
-only starts when it ends (its ``tail_bytes``).
+only starts when it ends (its ``tail_bytes``). A transfer that can run beside only part of
+the compute (``beside_s``: context parallelism's exchange beside the query projection)
+exposes what exceeds that part.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ class Transfer:
     last_backward: bool = False  # issued only during the last micro-batch's backward
     tail_bytes: float = 0.0  # of ``bytes``, what starts only once that backward ends
     budget: str = ""  # links sharing one budget of seconds; empty: its own link's
+    # The compute it can run beside, where that is less than the step's (issued before one
+    # piece of work and waited for after it); what is left over the step waits for.
+    beside_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -106,10 +111,12 @@ def step_time(
     exposed = 0.0
     for t in transfers:
         if t.overlapped:
+            beside = t.seconds if t.beside_s is None else min(t.seconds, t.beside_s)
+            exposed += t.seconds - beside
             budget = per_budget.setdefault(t.budget or t.link, [0.0, 0.0, 0.0])
-            budget[0] += t.seconds
-            budget[1] += t.seconds if t.last_backward else 0.0
-            budget[2] += t.tail_bytes / t.rate
+            budget[0] += beside
+            budget[1] += beside if t.last_backward else 0.0
+            budget[2] += min(t.tail_bytes / t.rate, beside)
         else:
             exposed += t.seconds
     beyond = [

@@ -28,6 +28,10 @@ DATA_AXES = MESH_AXES[1:]
 # names in forward order ("embedding", "layers.3", ..., "norm", "output"), set by the
 # trainer before ``europa_shard_model``; absent without stages.
 STAGE_MODULES = "pipeline_stage_modules"
+# ``job.state[CONTEXT_GATHER_EARLY]``: True when a plugin overlaps communication with compute
+# (europa-overlap, in ``europa_wrap_model``); context parallelism then issues each layer's
+# gather before its query projection and waits after it.
+CONTEXT_GATHER_EARLY = "context_gather_early"
 
 
 @runtime_checkable
@@ -61,6 +65,7 @@ class RunningJob(PlanningJob, Protocol):
 
 
 __all__ = [
+    "CONTEXT_GATHER_EARLY",
     "DATA_AXES",
     "MESH_AXES",
     "PIPELINE_AXIS",

@@ -21,6 +21,9 @@ from typing import Any
 from europa.spec.errors import UserError
 
 STEP, LAST_BACKWARD = "step", "last_backward"
+# Context parallelism's exchange, issued early (europa-overlap): beside the query projection's
+# forward (the gathers) or its backward (the reduce-scatters) only.
+QUERIES_FORWARD, QUERIES_BACKWARD = "queries_forward", "queries_backward"
 ROOT_UNIT = "<root>"  # the unit of what no block claims: embedding, final norm, output head
 
 
@@ -221,6 +224,8 @@ def _describe(hint: Any) -> str:
 
 __all__ = [
     "LAST_BACKWARD",
+    "QUERIES_BACKWARD",
+    "QUERIES_FORWARD",
     "RESHARD_POLICIES",
     "ROOT_UNIT",
     "STEP",

@@ -8,7 +8,9 @@ Kimi-K2 against 64 × (192 + 128) = 20,480 for its up-projected keys and values.
 sequence on every rank (``wkv_b`` once more per position held elsewhere); its backward
 reduce-scatters the latent's gradient. The ``kv`` exchange gathers the up-projected keys
 (the rotary key once per head) and values instead, as torch's ring attention, Megatron's
-CP and torchtitan's MLA path move them: kept for comparison.
+CP and torchtitan's MLA path move them: kept for comparison. Either is issued asynchronously;
+with ``gather_early`` (europa-overlap) the query projection computes while it travels, and
+its backward while the reduce-scatter does.
 
 Notation: B batch, l this rank's rows, L the whole sequence, N heads, F features.
 """
@@ -46,43 +48,96 @@ class ContextParallel:
     zigzag: ZigZag
     exchange: str = "latent"
     sent: SentBytes = field(default_factory=SentBytes)
+    # Issue the gather before the query projection and wait after it, and run the query
+    # projection's backward beside the reduce-scatter (europa-overlap's switch).
+    gather_early: bool = False
 
     def __post_init__(self) -> None:
         if self.exchange not in CP_EXCHANGES:
             raise ValueError(f"exchange = {self.exchange!r}: expected one of {CP_EXCHANGES}")
 
 
-class _GatherSequence(torch.autograd.Function):
-    """(B, l, F) rows of this rank to (B, L, F), the whole sequence in order; backward
-    sums every rank's gradient of this rank's rows (a reduce-scatter). Each direction
-    sends this rank's rows to the cp - 1 others, counted into ``sent``."""
+class _Flight:
+    """One gather of this rank's rows across the group, issued and not yet waited for, and
+    in backward the reduce-scatter of their gradient likewise."""
+
+    def __init__(self, context: ContextParallel, shape: torch.Size) -> None:
+        self.context, self.shape = context, shape  # (B, l, F) of a rank's rows
+        self.work = self.payload = self.gathered = None
+        self.grad_work = self.grad_buffers = None  # (sent, received) until waited for
+
+    @property
+    def cp(self) -> int:
+        return dist.get_world_size(self.context.group)
+
+    def sent(self, tensor: torch.Tensor) -> None:
+        self.context.sent.count += (self.cp - 1) * tensor.numel() * tensor.element_size()
+
+
+class _Launch(torch.autograd.Function):
+    """Issues the all-gather of (B, l, F) rows; a token links it to ``_Arrive``. Backward
+    waits for the reduce-scatter ``_Arrive``'s backward issued."""
 
     @staticmethod
-    def forward(ctx, local_BlF: torch.Tensor, group: dist.ProcessGroup, sent: SentBytes):
-        cp = dist.get_world_size(group)
-        batch, local_len, features = local_BlF.shape
-        gathered = local_BlF.new_empty(cp * batch * local_len * features)
+    def forward(ctx, local_BlF: torch.Tensor, flight: _Flight) -> torch.Tensor:
         payload = local_BlF.contiguous().view(-1)
+        flight.payload, flight.gathered = payload, payload.new_empty(flight.cp * payload.numel())
         mark_traffic(payload, GATHER)
-        dist.all_gather_single(gathered, payload, group=group)
-        sent.count += (cp - 1) * local_BlF.numel() * local_BlF.element_size()
-        ctx.group, ctx.sent = group, sent
-        return whole_from_gathered(gathered.view(cp, batch, local_len, features))
+        flight.work = dist.all_gather_single(
+            flight.gathered, payload, group=flight.context.group, async_op=True
+        )
+        flight.sent(payload)
+        ctx.flight = flight
+        return local_BlF.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, _token: torch.Tensor):
+        flight = ctx.flight
+        if flight.grad_work is not None:
+            flight.grad_work.wait()
+        (_, mine), flight.grad_work, flight.grad_buffers = flight.grad_buffers, None, None
+        return mine, None
+
+
+class _Arrive(torch.autograd.Function):
+    """Waits for the gather and gives (B, L, F), the whole sequence in order. Backward
+    issues the reduce-scatter that sums every rank's gradient of this rank's rows, and
+    waits for it at once unless the gather was issued early (europa-overlap), when the
+    query projection's backward runs beside it."""
+
+    @staticmethod
+    def forward(ctx, token: torch.Tensor, flight: _Flight) -> torch.Tensor:
+        flight.work.wait()
+        gathered, flight.work, flight.payload, flight.gathered = flight.gathered, None, None, None
+        ctx.flight = flight
+        return whole_from_gathered(gathered.view(flight.cp, *flight.shape))
 
     @staticmethod
     def backward(ctx, grad_BLF: torch.Tensor):
-        cp = dist.get_world_size(ctx.group)
-        per_rank = gathered_from_whole(grad_BLF, cp).contiguous()
-        mine = per_rank.new_empty(per_rank.shape[1:])
+        flight = ctx.flight
+        per_rank = gathered_from_whole(grad_BLF, flight.cp).contiguous()
+        mine = per_rank.new_empty(flight.shape)
         payload = per_rank.view(-1)
         mark_traffic(payload, REDUCE_SCATTER)
-        dist.reduce_scatter_single(mine.view(-1), payload, group=ctx.group)
-        ctx.sent.count += (cp - 1) * mine.numel() * mine.element_size()
-        return mine, None, None
+        flight.grad_work = dist.reduce_scatter_single(
+            mine.view(-1), payload, group=flight.context.group, async_op=True
+        )
+        flight.grad_buffers = (payload, mine)
+        flight.sent(mine)
+        if not flight.context.gather_early:
+            flight.grad_work.wait()
+            flight.grad_work = None
+        return per_rank.new_empty(0), None
 
 
-def gather_sequence(local_BlF: torch.Tensor, context: ContextParallel) -> torch.Tensor:
-    return _GatherSequence.apply(local_BlF, context.group, context.sent)
+def launch_gather(local_BlF: torch.Tensor, context: ContextParallel):
+    """Issue the gather of this rank's (B, l, F) rows; ``arrive`` gives the whole sequence."""
+    flight = _Flight(context, local_BlF.shape)
+    return _Launch.apply(local_BlF, flight), flight
+
+
+def arrive(token: torch.Tensor, flight: _Flight) -> torch.Tensor:
+    return _Arrive.apply(token, flight)
 
 
 def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> torch.Tensor:
@@ -97,24 +152,28 @@ def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> tor
     k_pe = rotate(k_pe.unsqueeze(2), rope_cache)  # (B, l, 1, R)
     latent = attention.kv_norm(latent)
     if context.exchange == "latent":
-        whole = gather_sequence(torch.cat([latent, k_pe.squeeze(2)], dim=-1), context)
-        latent, k_pe = torch.split(whole, [attention.kv_lora_rank, rope], dim=-1)
-        kv = attention.wkv_b(latent).view(batch, whole.size(1), -1, nope + attention.v_head_dim)
-        k_pe = k_pe.unsqueeze(2)  # (B, L, 1, R)
+        payload = torch.cat([latent, k_pe.squeeze(2)], dim=-1)
     else:
         kv = attention.wkv_b(latent).view(batch, local_len, -1, nope + attention.v_head_dim)
         heads = kv.size(2)
         payload = torch.cat(
             [kv.flatten(2), k_pe.expand(batch, local_len, heads, rope).flatten(2)], dim=-1
         )
-        whole = gather_sequence(payload, context)
+    in_flight = launch_gather(payload, context)
+    if not context.gather_early:
+        whole = arrive(*in_flight)
+    q = _queries(attention, x_BlD).view(batch, local_len, -1, attention.qk_head_dim)
+    if context.gather_early:
+        whole = arrive(*in_flight)
+    if context.exchange == "latent":
+        latent, k_pe = torch.split(whole, [attention.kv_lora_rank, rope], dim=-1)
+        kv = attention.wkv_b(latent).view(batch, whole.size(1), -1, nope + attention.v_head_dim)
+        k_pe = k_pe.unsqueeze(2)  # (B, L, 1, R)
+    else:
         kv, k_pe = torch.split(whole, [kv[0, 0].numel(), heads * rope], dim=-1)
         kv = kv.view(batch, whole.size(1), heads, -1)
         k_pe = k_pe.view(batch, whole.size(1), heads, rope)  # (B, L, N, R)
 
-    low_rank = attention.q_lora_rank > 0
-    q = attention.wq_b(attention.q_norm(attention.wq_a(x_BlD))) if low_rank else attention.wq(x_BlD)
-    q = q.view(batch, local_len, -1, attention.qk_head_dim)
     segments = context.zigzag.segments(local_len)
     inner, scale = attention.inner_attention, attention.softmax_scale
     if isinstance(inner, BlockCausalAttention):
@@ -122,6 +181,12 @@ def mla_forward(attention, x_BlD: torch.Tensor, context: ContextParallel) -> tor
     else:
         output = _sdpa_chunks(inner, q, kv, k_pe, rope_cache, nope, scale, segments)
     return attention.wo(output.reshape(batch, local_len, -1))
+
+
+def _queries(attention, x_BlD: torch.Tensor) -> torch.Tensor:
+    if attention.q_lora_rank > 0:
+        return attention.wq_b(attention.q_norm(attention.wq_a(x_BlD)))
+    return attention.wq(x_BlD)
 
 
 def _sdpa_chunks(inner, q_BlNQ, kv_BLNF, k_pe_BLnR, rope_cache, nope, scale, segments):

@@ -14,6 +14,7 @@ from europa.core.plan.builtin_layouts import FSDP2, data_parallel_form, fsdp2_la
 from europa.core.plan.checkpoint_cost import write_seconds
 from europa.core.plan.context import (
     exchange_bytes_per_pass,
+    query_projection_flops,
     rows_per_micro_batch,
     upprojection_flops,
 )
@@ -35,6 +36,7 @@ from europa.core.plan.timing import (
     clip_maxima,
     logit_max_flops,
     model_flops_per_token,
+    query_windows,
     rank_compute,
     transfers,
 )
@@ -222,6 +224,7 @@ def assemble(
     head = 2 * model_cfg.vocab_size * model_cfg.dim if scope is None or scope.head else 0
     recompute_flops = per_token // 3 - head if recompute else 0
     upprojection = upprojection_flops(config, layers)  # the latent exchange's, all micro-batches
+    hardware_flops = (per_token + recompute_flops) * tokens_per_rank + upprojection
     # "With overlap": what europa-overlap says it hides, or (not enabled) every
     # kind that can run beside compute, as the estimate of what it would give.
     overlappable = tuple(t.kind for t in traffic if t.overlappable)
@@ -235,17 +238,21 @@ def assemble(
         hardware,
         world_size,
         model_flops=per_token * tokens_per_rank,
-        hardware_flops=(per_token + recompute_flops) * tokens_per_rank + upprojection,
+        hardware_flops=hardware_flops,
         state_bytes=state.totals()[rank],
         layers=None if scope is None else scope.layer_indices,
         head=scope is None or scope.head,
         maxima_flops=logit_max_flops(config, hardware, layers),
     )
 
+    windows = query_windows(
+        compute, query_projection_flops(config, layers), hardware_flops, recompute
+    )
+
     def priced(overlapped_kinds: tuple[str, ...]) -> StepTime:
         return step_time(
             compute,
-            transfers(traffic, hardware, overlapped_kinds),
+            transfers(traffic, hardware, overlapped_kinds, windows),
             model_flops=per_token * tokens_per_rank,
             peak_flops=hardware.peak_flops(training.dtype),
         )

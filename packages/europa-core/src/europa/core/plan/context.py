@@ -8,6 +8,10 @@ width`` numbers in the compute dtype. A recomputed forward gathers again. The la
 exchange's width is ``kv_lora_rank + qk_rope_head_dim`` and every rank up-projects the whole
 sequence (``wkv_b`` on the cp - 1 others' rows too: hardware FLOPs the model's count
 leaves out); the kv exchange's is every head's keys and values.
+
+With europa-overlap each layer issues its gather before the query projection and waits after
+it, and its backward runs beside the reduce-scatter: the exchange hides behind that work
+(its share of the step's hardware FLOPs), not behind the whole step.
 """
 
 from __future__ import annotations
@@ -56,3 +60,14 @@ def upprojection_flops(config, layers: int) -> int:
     weight = m.kv_lora_rank * m.n_heads * (m.qk_nope_head_dim + m.v_head_dim)
     others = (p.cp - 1) * rows_per_micro_batch(config)
     return 6 * weight * others * layers * config.training.grad_accum_steps
+
+
+def query_projection_flops(config, layers: int) -> int:
+    """One forward of the query projection (``wq``, or ``wq_a``, its norm and ``wq_b``) on a
+    rank's rows per optimizer step: the work europa-overlap runs beside each layer's
+    gather (its backward, twice this, beside the reduce-scatter)."""
+    m = config.model
+    out = m.n_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim)
+    weight = m.dim * m.q_lora_rank + m.q_lora_rank * out if m.q_lora_rank else m.dim * out
+    rows = rows_per_micro_batch(config)
+    return 2 * weight * rows * layers * config.training.grad_accum_steps

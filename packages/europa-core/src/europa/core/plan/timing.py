@@ -39,7 +39,7 @@ from europa.plan.exposure import (
     with_forward_work,
 )
 from europa.plan.stages import RankStage
-from europa.spec.plan_layout import LAST_BACKWARD
+from europa.spec.plan_layout import LAST_BACKWARD, QUERIES_BACKWARD, QUERIES_FORWARD
 from europa.spec.qk_clip import maxima_bytes
 
 LAYOUT_OVERLAPPED = (
@@ -139,10 +139,16 @@ def rank_compute(
 
 
 def transfers(
-    traffic: list[Traffic], hardware: HardwareProfile, overlapped_kinds: tuple[str, ...]
+    traffic: list[Traffic],
+    hardware: HardwareProfile,
+    overlapped_kinds: tuple[str, ...],
+    windows: dict[str, float] | None = None,
 ) -> list[Transfer]:
     """``traffic`` as europa-plan prices it: each at ``hardware``'s rate for its link and
-    collective, overlapped where its kind is in ``overlapped_kinds`` and it can be."""
+    collective, overlapped where its kind is in ``overlapped_kinds`` and it can be.
+    ``windows``: the seconds of compute a window narrower than the step holds
+    (``query_windows``)."""
+    windows = windows or {}
     return [
         Transfer(
             kind=t.kind,
@@ -153,6 +159,22 @@ def transfers(
             last_backward=t.window == LAST_BACKWARD,
             tail_bytes=t.tail_bytes,
             budget=BUDGET.get(t.link, ""),
+            beside_s=windows.get(t.window),
         )
         for t in traffic
     ]
+
+
+def query_windows(
+    compute: Compute, queries_flops: float, hardware_flops: float, recomputed: bool
+) -> dict[str, float]:
+    """The seconds context parallelism's early exchange runs beside: the query projection's
+    forward (``queries_flops``, once more when recomputed) and its backward (twice that), as
+    their share of the step's ``hardware_flops`` priced at ``compute``'s seconds."""
+    if not hardware_flops:
+        return {}
+    forward = compute.seconds * queries_flops / hardware_flops
+    return {
+        QUERIES_FORWARD: forward * (2 if recomputed else 1),
+        QUERIES_BACKWARD: 2 * forward,
+    }

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from europa.core.model.context_parallel import EXCHANGE_KINDS
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.plan.links import ring_network_share
-from europa.spec.plan_layout import ROOT_UNIT, STEP
+from europa.spec.plan_layout import QUERIES_BACKWARD, QUERIES_FORWARD, ROOT_UNIT, STEP
 from europa.spec.qk_clip import MAXIMA_TRAFFIC
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
@@ -81,7 +81,8 @@ class Traffic:
     overlappable: bool  # can run beside computation at all
     # When it can: beside the whole step, or only beside the last micro-batch's backward
     # (once-a-step sums, issued as each gradient completes); ``tail_bytes`` of it only
-    # start when that backward ends (the gradient that completes last).
+    # start when that backward ends (the gradient that completes last). Context
+    # parallelism's exchange: beside the query projection's forward or backward only.
     window: str = STEP
     tail_bytes: int = 0
     direct: bool = False  # sent as direct transfers, not as the kind's collective
@@ -227,8 +228,8 @@ def step_traffic(
         ),
         *(Traffic(EXCHANGE_KIND, link, int(n), True) for link, n in experts.items()),
         *ring("optimizer_step", step_gather, (group, 1), overlappable=False),
-        *ring(CONTEXT_GATHER, cp_pass * cp_gathers, (cp, 1), overlappable=False),
-        *ring(CONTEXT_REDUCE_SCATTER, cp_pass, (cp, 1), overlappable=False),
+        *ring(CONTEXT_GATHER, cp_pass * cp_gathers, (cp, 1), True, QUERIES_FORWARD),
+        *ring(CONTEXT_REDUCE_SCATTER, cp_pass, (cp, 1), True, QUERIES_BACKWARD),
         *ring(
             MAXIMA_TRAFFIC,
             2 * clip_maxima[0] * ring_share(clip_maxima[1]),

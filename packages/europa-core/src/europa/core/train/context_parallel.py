@@ -18,6 +18,7 @@ from europa.core.launch.distributed import context_parallel_group
 from europa.core.model.context_parallel import ContextParallel
 from europa.core.model.mla import ContextParallelMLA
 from europa.core.model.zigzag import ZigZag
+from europa.spec.job import CONTEXT_GATHER_EARLY
 
 
 class _RowsOfRank:
@@ -45,7 +46,10 @@ def enable(job, model: torch.nn.Module) -> ContextParallel:
         why = f"1 with {others[0]} attention (context parallelism runs europa's MLA)"
         raise fail("parallel.cp", parallel.cp, why)
     group, rank = context_parallel_group(job.mesh, parallel.cp)
-    context = ContextParallel(group, ZigZag(parallel.cp, rank), parallel.cp_exchange)
+    early = bool(job.state.get(CONTEXT_GATHER_EARLY))  # europa-overlap's
+    context = ContextParallel(
+        group, ZigZag(parallel.cp, rank), parallel.cp_exchange, gather_early=early
+    )
     for attention in attentions:
         attention.context_parallel = context
     return context
