@@ -111,11 +111,13 @@ def test_a_pipeline_rank_executes_as_its_own_plan_with_its_stage_sends(capsys):
 def test_a_context_parallel_rank_executes_its_gathers_as_planned(capsys):
     # cp = 2 on the GPU path (torch's SDPA, each chunk causal from the bottom right, on the
     # stand-in), with europa-overlap's timeline and offload, every block recomputed (a
-    # second gather), FlexShard with ep = 2 beside
+    # second gather), FlexShard with ep = 2 beside; Kimi-K2's 64 heads at 16k tokens, where
+    # the gradients SDPA returns for the whole sequence's keys and values set the peak
     code, out, _ = _run(capsys, "plan", "debug", "--hardware", "gh200-jupiter", "--replicas",
                         "1", "--gpus-per-replica", "4", "-p", "flexshard", "-p", "overlap",
                         "-p", "offload", "--set", "parallel.ep=2", "--set", "parallel.cp=2",
-                        "--set", "training.seq_len=256", "--set", "training.batch_size=2",
+                        "--set", "model.n_heads=64", "--set", "model.n_layers=3",
+                        "--set", "training.seq_len=16384", "--set", "training.batch_size=2",
                         "--set", 'training.dtype="bfloat16"',
                         "--set", 'activation_checkpointing.mode="full"', "--execute", "0",
                         "--json")  # fmt: skip

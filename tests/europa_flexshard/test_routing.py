@@ -116,3 +116,24 @@ def test_routing_models_read_back_as_given():
     assert RoutingModel.parse("uniform") == RoutingModel()
     assert RoutingModel.parse(" skew:1.5 ") == RoutingModel(skew=1.5)
     assert RoutingModel.parse(RoutingModel(skew=0.5).describe()) == RoutingModel(skew=0.5)
+
+
+@given(
+    st.integers(1, 4).flatmap(
+        lambda experts: st.lists(st.lists(st.integers(0, 6), min_size=experts, max_size=experts))
+    )
+)
+def test_received_rows_regroup_by_local_expert_with_each_row_once(counts):
+    """Rows received source by source, each source's sorted by expert: the reorder lists
+    every row once, each expert's rows together in expert order, sources in order within."""
+    import torch
+
+    from europa.flexshard.exchange.dispatcher import by_local_expert
+
+    order = by_local_expert(counts, torch.device("cpu")).tolist()
+    labels = []  # each received row's (expert, source, place), in received order
+    for source, row in enumerate(counts):
+        for expert, count in enumerate(row):
+            labels += [(expert, source, place) for place in range(count)]
+    assert sorted(order) == list(range(len(labels)))
+    assert [labels[i] for i in order] == sorted(labels)

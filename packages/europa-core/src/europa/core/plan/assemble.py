@@ -10,6 +10,7 @@ from europa.core.errors import PluginError
 from europa.core.job import Job
 from europa.core.launch.distributed import mesh_shape
 from europa.core.plan.activations import block_activations
+from europa.core.plan.attention_gradients import attention_gradient_bytes
 from europa.core.plan.builtin_layouts import FSDP2, data_parallel_form, fsdp2_layout
 from europa.core.plan.checkpoint_cost import write_seconds
 from europa.core.plan.context import (
@@ -173,6 +174,16 @@ def assemble(
         expert_buffers=expert_buffers,
         kept_blocks=kept_gathered,
         micro_batches=training.grad_accum_steps,
+        attention_gradients=attention_gradient_bytes(
+            model_cfg,
+            seq_len=training.seq_len,
+            batch=training.batch_size,
+            dtype_bytes=compute_bytes,
+            kernel=hardware.attention_kernel,
+            cp=config.parallel.cp,
+        )
+        if any(b.startswith("layers.") for b in names)
+        else 0,
     )
     moments = memory.moments(rank)
     top = peak(moments)

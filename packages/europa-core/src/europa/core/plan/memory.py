@@ -115,6 +115,7 @@ class MemoryModel:
     expert_buffers: int
     kept_blocks: list[str]
     micro_batches: int
+    attention_gradients: int = 0  # one layer's, while its block's backward runs
 
     def moments(self, rank: int) -> list[Moment]:
         state, offload = self.state, self.offload
@@ -142,6 +143,7 @@ class MemoryModel:
             expert_buffers=self.expert_buffers,
             kept_blocks=self.kept_blocks,
             micro_batches=self.micro_batches,
+            attention_gradients=self.attention_gradients,
         )
 
 

@@ -16,6 +16,8 @@ takes the largest of five moments, each the sum of what is alive then:
   rank's contribution to its own pieces); at the first block in backward every saved activation
   and no once-a-step sum yet, at the last one only the block recomputed and the copies
   every other unit's sum sends (issued in the last backward, held until they finish);
+  at either, the gradients its attention kernel returns
+  (``europa.core.plan.attention_gradients``);
 * **end of backward**: the root unit's turn (its gradient completes last: the embedding's):
   the root gathered, its unsharded gradients, rows and share, every other gradient, and
   every other unit's sum copies;
@@ -75,6 +77,7 @@ def device_moments(
     expert_buffers: int,
     kept_blocks: list[str],
     micro_batches: int,
+    attention_gradients: int = 0,
 ) -> list[Moment]:
     """The moments of the design note, for ``rank`` of ``layout``."""
     units = layout["gathered_unit_elements"]
@@ -116,6 +119,7 @@ def device_moments(
         "gathered_parameters": gathered,
         "gradient_buffers": buffers(block, block_rows, block_share, largest),
         "expert_buffers": expert_buffers,
+        "activation_gradients": attention_gradients,
     }
     first_block = {"activations": activations, "sum_buffers": 0}
     last_block = {"activations": recomputed, "sum_buffers": sums - root_sums}

@@ -114,18 +114,25 @@ class ExpertDispatcher:
 def by_local_expert(counts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
     """Indices that reorder rows received source by source (``counts[source][expert]``,
     each source's rows sorted by expert) into local-expert order, sources in order
-    within an expert."""
-    starts, offset = [], 0
+    within an expert. Made on ``device`` from one offset a (source, expert): a row's
+    index never crosses to the device."""
+    experts = len(counts[0]) if counts else 0
+    starts, offset = [], 0  # each (source, expert)'s first row as received
     for row in counts:
         starts.append([])
         for count in row:
             starts[-1].append(offset)
             offset += count
-    experts = len(counts[0]) if counts else 0
-    pieces = [
-        torch.arange(starts[source][expert], starts[source][expert] + counts[source][expert])
-        for expert in range(experts)
-        for source in range(len(counts))
-    ]
-    order = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
-    return order.to(device)
+    segments = [(e, s) for e in range(experts) for s in range(len(counts))]
+    sizes = [counts[s][e] for e, s in segments]
+    # a row's index is its segment's first received row plus its place in the segment
+    shift, placed = [], 0
+    for (e, s), size in zip(segments, sizes, strict=True):
+        shift.append(starts[s][e] - placed)
+        placed += size
+    if not placed:
+        return torch.zeros(0, dtype=torch.int64, device=device)
+    shifts = torch.tensor(shift, dtype=torch.int64, device=device)
+    repeats = torch.tensor(sizes, dtype=torch.int64, device=device)
+    per_row = torch.repeat_interleave(shifts, repeats, output_size=placed)
+    return per_row + torch.arange(placed, device=device)
