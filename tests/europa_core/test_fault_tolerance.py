@@ -151,10 +151,11 @@ def _wait_for_step(group: Group, step: int, timeout: float) -> None:
     ("groups", "ranks", "plugins", "extra"),
     [
         (3, 1, [], []),
-        (2, 2, ["flexshard"], ["parallel.ep=2"]),
+        # each group's 2 ranks cut its 4 sequences (cp): 2 × 32 tokens a rank, as the others
+        (2, 2, ["flexshard"], ["parallel.ep=2", "parallel.cp=2", "training.batch_size=4"]),
         (2, 2, [], ["parallel.pp=2", "training.grad_accum_steps=2"]),
     ],
-    ids=["core-3x1", "flexshard-ep2-2x2", "core-pp2-2x2"],
+    ids=["core-3x1", "flexshard-ep2-cp2-2x2", "core-pp2-2x2"],
 )
 def test_a_killed_group_heals_from_a_peer_and_every_group_ends_with_the_same_state(
     tmp_path, lighthouse, groups, ranks, plugins, extra
