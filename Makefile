@@ -28,8 +28,10 @@ lint: venv
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# The suite's total and its 30 slowest tests end every run's output (CI's log included):
+# where the time goes, issue by issue.
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=30
 
 format: venv
 	$(BIN)/ruff check --fix .
