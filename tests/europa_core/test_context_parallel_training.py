@@ -126,8 +126,8 @@ def test_each_step_sends_what_its_exchange_gathers(records, name):
 @pytest.mark.parametrize("name", ["cp2-latent", "cp4-kv"])
 def test_the_plan_sends_what_a_step_counted(records, name):
     from europa.core.plan import load_profile, make_plan
-    from europa.core.plan.traffic import CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER
     from europa.core.session import open_session
+    from europa.spec.plan_layout import CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER
 
     run = next(r for r in _runs() if r.name == name)
     config, plugins = open_session(run.preset, run.overrides, run.plugins)

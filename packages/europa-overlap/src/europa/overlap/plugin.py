@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from europa.overlap.errors import OverlapError
 from europa.spec.hookspecs import hookimpl
 from europa.spec.job import CONTEXT_GATHER_EARLY, STAGE_MODULES
-from europa.spec.plan_layout import RESHARD_POLICIES
+from europa.spec.plan_layout import CONTEXT_KINDS, RESHARD_POLICIES
 
 if TYPE_CHECKING:
     from contextlib import AbstractContextManager
@@ -52,7 +52,6 @@ if TYPE_CHECKING:
 NAME = "overlap"
 # The planner's kinds that a layout already runs beside compute (FSDP2's own
 # schedule; europa-core's plan.timing.LAYOUT_OVERLAPPED), which this plugin keeps.
-CONTEXT_KINDS = ("context_gather", "context_reduce_scatter")  # beside the query projection
 LAYOUT_OVERLAPPED = (
     "parameter_gather",
     "gradient_reduce_scatter",

@@ -21,8 +21,13 @@ from typing import Any
 from europa.spec.errors import UserError
 
 STEP, LAST_BACKWARD = "step", "last_backward"
-# Context parallelism's exchange, issued early (europa-overlap): beside the query projection's
-# forward (the gathers) or its backward (the reduce-scatters) only.
+# Context parallelism's traffic kinds (europa-core's exchange and plan, europa-overlap), and,
+# issued early (europa-overlap), what it runs beside: the query projection's forward (the
+# gathers) or its backward (the reduce-scatters) only.
+CONTEXT_KINDS = CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER = (
+    "context_gather",
+    "context_reduce_scatter",
+)
 QUERIES_FORWARD, QUERIES_BACKWARD = "queries_forward", "queries_backward"
 ROOT_UNIT = "<root>"  # the unit of what no block claims: embedding, final norm, output head
 
@@ -223,6 +228,9 @@ def _describe(hint: Any) -> str:
 
 
 __all__ = [
+    "CONTEXT_GATHER",
+    "CONTEXT_KINDS",
+    "CONTEXT_REDUCE_SCATTER",
     "LAST_BACKWARD",
     "QUERIES_BACKWARD",
     "QUERIES_FORWARD",

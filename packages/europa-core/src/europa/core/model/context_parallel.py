@@ -25,10 +25,8 @@ import torch.distributed as dist
 from europa.core.config.schema import CP_EXCHANGES
 from europa.core.model.attention import BlockCausalAttention, rotate
 from europa.core.model.zigzag import ZigZag, gathered_from_whole, whole_from_gathered
+from europa.spec.plan_layout import CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER
 from europa.spec.tags import mark_traffic
-
-# The traffic each direction is (``europa.spec.tags.mark_traffic``; the planner's kinds).
-EXCHANGE_KINDS = GATHER, REDUCE_SCATTER = ("context_gather", "context_reduce_scatter")
 
 
 @dataclass(slots=True)
@@ -82,7 +80,7 @@ class _Launch(torch.autograd.Function):
     def forward(ctx, local_BlF: torch.Tensor, flight: _Flight) -> torch.Tensor:
         payload = local_BlF.contiguous().view(-1)
         flight.payload, flight.gathered = payload, payload.new_empty(flight.cp * payload.numel())
-        mark_traffic(payload, GATHER)
+        mark_traffic(payload, CONTEXT_GATHER)
         flight.work = dist.all_gather_single(
             flight.gathered, payload, group=flight.context.group, async_op=True
         )
@@ -118,7 +116,7 @@ class _Arrive(torch.autograd.Function):
         per_rank = gathered_from_whole(grad_BLF, flight.cp).contiguous()
         mine = per_rank.new_empty(flight.shape)
         payload = per_rank.view(-1)
-        mark_traffic(payload, REDUCE_SCATTER)
+        mark_traffic(payload, CONTEXT_REDUCE_SCATTER)
         flight.grad_work = dist.reduce_scatter_single(
             mine.view(-1), payload, group=flight.context.group, async_op=True
         )

@@ -174,14 +174,7 @@ def assemble(
         expert_buffers=expert_buffers,
         kept_blocks=kept_gathered,
         micro_batches=training.grad_accum_steps,
-        attention_gradients=attention_gradient_bytes(
-            model_cfg,
-            seq_len=training.seq_len,
-            batch=training.batch_size,
-            dtype_bytes=compute_bytes,
-            kernel=hardware.attention_kernel,
-            cp=config.parallel.cp,
-        )
+        attention_gradients=attention_gradient_bytes(config, hardware.attention_kernel)
         if any(b.startswith("layers.") for b in names)
         else 0,
     )

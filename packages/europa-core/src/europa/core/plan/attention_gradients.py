@@ -25,16 +25,16 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from europa.core.config.schema import ModelConfig
+from europa.core.config.schema import EuropaConfig
 
 
-def attention_gradient_bytes(
-    m: ModelConfig, *, seq_len: int, batch: int, dtype_bytes: int, kernel: str, cp: int = 1
-) -> int:
-    """Bytes of one layer's attention gradients on a rank, for one micro-batch of ``batch``
-    sequences of ``seq_len`` tokens cut over ``cp`` ranks (``kernel``: the hardware's)."""
+def attention_gradient_bytes(config: EuropaConfig, kernel: str) -> int:
+    """Bytes of one layer's attention gradients on a rank for one micro-batch of ``config``
+    (its sequences cut over ``parallel.cp`` ranks); ``kernel``: the hardware's."""
     if kernel != "fused":
         return 0
+    m, t, cp = config.model, config.training, config.parallel.cp
+    seq_len, dtype_bytes = t.seq_len, 2 if t.dtype == "bfloat16" else 4
     qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
     rows = seq_len // cp
     if cp == 1:
@@ -42,4 +42,4 @@ def attention_gradient_bytes(
     else:  # chunks r and 2cp - 1 - r end at positions (r + 1) and (2cp - r) chunks
         keys, query_rows = Fraction(seq_len * (2 * cp + 1), 2 * cp), Fraction(3 * rows, 2)
     per_head = keys * (qk + v) + query_rows * qk
-    return int(batch * m.n_heads * dtype_bytes * per_head)
+    return int(t.batch_size * m.n_heads * dtype_bytes * per_head)

@@ -13,10 +13,16 @@ from __future__ import annotations
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from europa.core.model.context_parallel import EXCHANGE_KINDS
 from europa.core.plan.hardware import DEVICE_TO_HOST, HOST_TO_DEVICE
 from europa.plan.links import ring_network_share
-from europa.spec.plan_layout import QUERIES_BACKWARD, QUERIES_FORWARD, ROOT_UNIT, STEP
+from europa.spec.plan_layout import (
+    CONTEXT_GATHER,
+    CONTEXT_REDUCE_SCATTER,
+    QUERIES_BACKWARD,
+    QUERIES_FORWARD,
+    ROOT_UNIT,
+    STEP,
+)
 from europa.spec.qk_clip import MAXIMA_TRAFFIC
 
 INTRA, INTER, HOST = "intra_node", "inter_node", "host_device"
@@ -56,8 +62,6 @@ def ring_share(size: int) -> float:
 
 
 EXCHANGE_KIND = "expert_all_to_all"  # tokens to their experts and back
-# context parallelism's (europa.core.plan.context)
-CONTEXT_GATHER, CONTEXT_REDUCE_SCATTER = EXCHANGE_KINDS
 
 # The collective each kind of traffic is (a hardware profile may rate each on its own).
 COLLECTIVE = {
