@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from europa.flexshard.exchange import slices
 from europa.flexshard.exchange.codec import FP8_MAX, Codec
 from europa.flexshard.exchange.flat import chunk_bounds
 from europa.flexshard.exchange.traffic import routed_bytes
@@ -72,6 +73,43 @@ def test_integer_rows_travel_exactly_and_an_all_zero_block_stays_zero():
     zeros = torch.zeros(2, FP8_BLOCK + 1)
     fp8 = Codec("float8_e4m3fn")
     assert torch.equal(fp8.decode(fp8.encode(zeros), FP8_BLOCK + 1, torch.float32), zeros)
+
+
+@settings(max_examples=20)
+@given(rows=st.integers(1, 9), cols=cols_of, seed=st.integers(0, 99), slice_rows=st.integers(1, 4))
+def test_fp8_rows_a_slice_at_a_time_are_the_bytes_and_values_of_all_rows_at_once(
+    rows, cols, seed, slice_rows
+):
+    x, fp8 = _tensor(rows, cols, seed, 2.0).to(torch.bfloat16), Codec("float8_e4m3fn")
+    whole_sent, whole_back = fp8.encode(x), fp8.decode(fp8.encode(x), cols, torch.bfloat16)
+    padded_row = 4 * FP8_BLOCK * -(-cols // FP8_BLOCK)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(slices, "WORKING_BYTES", slice_rows * padded_row)
+        sent = fp8.encode(x)
+        back = fp8.decode(sent, cols, torch.bfloat16)
+    assert torch.equal(sent, whole_sent) and torch.equal(back, whole_back)
+
+
+def test_fp8_coding_keeps_a_bounded_fp32_working_set_whatever_the_rows():
+    """The largest tensor made while encoding or decoding 64 rows a slice of 8 at a time is
+    the uint8 rows or the decoded ones, never an fp32 copy of all of them."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Largest(TorchDispatchMode):
+        fp32 = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, tuple) else (out,):
+                if isinstance(t, torch.Tensor) and t.dtype == torch.float32:
+                    self.fp32 = max(self.fp32, t.untyped_storage().nbytes())
+            return out
+
+    x, fp8 = torch.randn(64, FP8_BLOCK, dtype=torch.bfloat16), Codec("float8_e4m3fn")
+    with pytest.MonkeyPatch.context() as patch, Largest() as seen:
+        patch.setattr(slices, "WORKING_BYTES", 8 * 4 * FP8_BLOCK)
+        fp8.decode(fp8.encode(x), FP8_BLOCK, torch.bfloat16)
+    assert seen.fp32 <= 8 * 4 * FP8_BLOCK
 
 
 def test_the_combine_direction_stays_at_least_bf16():

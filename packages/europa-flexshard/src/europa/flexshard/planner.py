@@ -49,6 +49,8 @@ def plan_layout(job: PlanningJob, plan: PlanMapping) -> None:
         layout["expert_all_to_all_bytes_per_step"] = sum(a2a.values())
         layout["expert_all_to_all_bytes_by_link"] = a2a
         layout["expert_kept_bytes_per_moe_block"] = exchange["kept_bytes_per_moe_block"]
+        if ep > 1:  # the exchange's weighted sums keep the outputs as they are (summing.py)
+            layout["expert_output_bytes"] = 2 if cfg.training.dtype == "bfloat16" else 4
         summary["expert_all_to_all_bytes_per_rank_per_step"] = sum(a2a.values())
         summary["expert_exchange"] = exchange
     # The copies of each share (replicas, other nodes) and of each expert (ranks with the

@@ -106,6 +106,9 @@ class Layout:
     gathered_unit_wire_elements: dict[str, int] | None = None
     expert_all_to_all_bytes_by_link: dict[str, int] | None = None  # {link: bytes}
     expert_kept_bytes_per_moe_block: int = 0  # kept for the recomputation, like its input
+    # bytes a routed expert's output value is saved in for its score's gradient (torchtitan's
+    # combine keeps an fp32 copy; europa-flexshard's the output as it is)
+    expert_output_bytes: int = 4
     replicated_elements: int | None = None  # all-reduced over the replicas (default: max)
     replica_group: ReplicaGroup | None = None  # the share's copies (default: dp_replicate's)
     expert_copies: ExpertCopies | None = None  # resident expert gradients' copies, if any

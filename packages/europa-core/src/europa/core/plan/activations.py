@@ -20,7 +20,9 @@ together. What depends on the dtype:
   fp32 q, k, v and each query block's probabilities (keys up to the block's
   end only: about (chunks + 1) / (2 chunks) of the math path's).
 * The router keeps fp32 scores in an fp32 run and compute-dtype ones with bf16
-  parameters; the routed expert output is upcast to fp32 before it is scaled.
+  parameters; the routed expert output is upcast to fp32 before it is scaled, and that
+  copy is kept (``expert_output_bytes``: a layout's own dispatcher may keep the output as
+  it is, as europa-flexshard's does).
 * With context parallelism (``cp`` ranks a sequence, ``europa.core.model.context_parallel``)
   a token is one of a rank's rows: the attention's keys and values are the whole
   sequence's, cp per row, and so is the gathered latent that ``wkv_b`` keeps (the latent
@@ -133,7 +135,7 @@ def _feed_forward(label: str, hidden: int, a: int) -> list[SavedTensor]:
     return [SavedTensor(f"{label}.{part}", hidden * a) for part in ("w1", "w3", "silu", "w2_input")]
 
 
-def _moe(m: ModelConfig, a: int) -> list[SavedTensor]:
+def _moe(m: ModelConfig, a: int, output_bytes: int) -> list[SavedTensor]:
     k = m.top_k
     score = FP32 if a == FP32 else a
     out = [
@@ -147,7 +149,7 @@ def _moe(m: ModelConfig, a: int) -> list[SavedTensor]:
     out += _feed_forward("experts", k * m.moe_hidden_dim, a)
     out += [
         SavedTensor("experts.scores", k * a),
-        SavedTensor("experts.output_fp32", k * m.dim * FP32),
+        SavedTensor("experts.output", k * m.dim * output_bytes),
     ]
     if m.num_shared_experts:
         out += _feed_forward("shared_experts", m.num_shared_experts * m.moe_hidden_dim, a)
@@ -163,17 +165,18 @@ def block_activations(
     kernel: str = "math",
     cp: int = 1,
     exchange: str = "latent",
+    expert_output_bytes: int = FP32,
 ) -> list[BlockActivations]:
     """Every block's saved tensors, then the root's (tokens and labels, final
     norm, the loss's fp32 log-probabilities over the vocabulary), per token of a rank's
     rows: with ``cp`` > 1, its seq_len / cp rows of each sequence, ``exchange`` gathered."""
     # A layout search asks again for every layout of the same model (the config is a
     # mutable dataclass: its repr, every field, is the key; the blocks are frozen).
-    key = (repr(m), seq_len, batch, dtype_bytes, kernel, cp, exchange)
+    key = (repr(m), seq_len, batch, dtype_bytes, kernel, cp, exchange, expert_output_bytes)
     if key not in _ASKED:
         if len(_ASKED) >= 64:
             _ASKED.clear()
-        blocks = _every_block(m, seq_len, batch, dtype_bytes, kernel, cp, exchange)
+        blocks = _every_block(*key[1:], m=m)
         _ASKED[key] = tuple(blocks)
     return list(_ASKED[key])
 
@@ -182,7 +185,15 @@ _ASKED: dict[tuple, tuple[BlockActivations, ...]] = {}
 
 
 def _every_block(
-    m: ModelConfig, seq_len: int, batch: int, dtype_bytes: int, kernel: str, cp: int, exchange
+    seq_len: int,
+    batch: int,
+    dtype_bytes: int,
+    kernel: str,
+    cp: int,
+    exchange: str,
+    expert_output_bytes: int,
+    *,
+    m: ModelConfig,
 ) -> list[BlockActivations]:
     blocks = []
     for layer in range(m.n_layers):
@@ -191,7 +202,7 @@ def _every_block(
         if layer < m.n_dense_layers:
             tensors += _feed_forward("feed_forward", m.dense_hidden_dim, dtype_bytes)
         else:
-            tensors += _moe(m, dtype_bytes)
+            tensors += _moe(m, dtype_bytes, expert_output_bytes)
         fixed = 0 if layer < m.n_dense_layers else m.num_experts * EXPERT_OFFSET_BYTES
         blocks.append(
             BlockActivations(f"layers.{layer}", tuple(tensors), m.dim * dtype_bytes, fixed)

@@ -44,6 +44,7 @@ from europa.core.plan.timing import (
 from europa.core.plan.traffic import step_traffic, strided_link
 from europa.plan.exposure import StepTime, step_time
 from europa.spec.offload import HostOffload
+from europa.spec.optim import FP32
 from europa.spec.plan_layout import Layout
 from europa.spec.plan_mapping import PlanMapping
 
@@ -122,6 +123,7 @@ def stage_activations(config, hardware, plan: PlanMapping, names) -> dict[str, A
         kernel=hardware.attention_kernel,
         cp=config.parallel.cp,
         exchange=config.parallel.cp_exchange,
+        expert_output_bytes=plan["layout"].get("expert_output_bytes", FP32),
     )
     blocks = [b for b in blocks if b.name in names]
     kept_bytes = plan["layout"].get("expert_kept_bytes_per_moe_block", 0)

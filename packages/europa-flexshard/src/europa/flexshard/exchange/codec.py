@@ -8,7 +8,8 @@ moves plain bytes, which every backend can send (gloo has no FP8 type).
 FP8 (e4m3): each row is cut into blocks of ``FP8_BLOCK`` values; a block is divided
 by its absolute maximum over 448 (e4m3's largest finite value), rounded to FP8, and
 its fp32 scale travels after the row's values, so ``decode`` multiplies it back. An
-all-zero block keeps scale 1.
+all-zero block keeps scale 1. Both work through the rows a slice at a time
+(``europa.flexshard.exchange.slices``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from europa.flexshard.exchange.slices import row_slices
 from europa.flexshard.exchange.wire import FP8_BLOCK, row_bytes
 
 FP8 = torch.float8_e4m3fn
@@ -38,7 +40,11 @@ class Codec:
             width = self.row_bytes(t.shape[1], t.dtype)
             return torch.empty(t.shape[0], width, dtype=torch.uint8, device=t.device)
         if self.wire == "float8_e4m3fn":
-            return _fp8_encode(t)
+            out = torch.empty(t.shape[0], self.row_bytes(t.shape[1], t.dtype), dtype=torch.uint8,
+                              device=t.device)  # fmt: skip
+            for rows in _slices(t.shape[0], t.shape[1]):
+                out[rows] = _fp8_encode(t[rows])
+            return out
         if self.wire == "bfloat16":
             t = t.to(torch.bfloat16)
         return t.contiguous().view(torch.uint8)  # [rows, cols * itemsize]
@@ -48,17 +54,25 @@ class Codec:
         if b.numel() == 0:
             return torch.empty(b.shape[0], cols, dtype=dtype, device=b.device)
         if self.wire == "float8_e4m3fn":
-            return _fp8_decode(b, cols).to(dtype)
+            out = torch.empty(b.shape[0], cols, dtype=dtype, device=b.device)
+            for rows in _slices(b.shape[0], cols):
+                out[rows] = _fp8_decode(b[rows], cols)
+            return out
         wire = torch.bfloat16 if self.wire == "bfloat16" else dtype
         return _aligned(b).view(wire).to(dtype)  # [rows, cols]
 
 
 def _aligned(b: torch.Tensor) -> torch.Tensor:
     """``b`` itself when a dtype view of it is valid (contiguous, aligned), else a copy: the
-    columns of one part of a packed row start anywhere in the row."""
-    if b.is_contiguous() and b.storage_offset() % 16 == 0:
+    columns of one part of a packed row start anywhere in the row. (One row of a wider
+    tensor counts as contiguous but keeps the wider row's stride.)"""
+    if b.is_contiguous() and b.stride(0) == b.shape[1] and b.storage_offset() % 16 == 0:
         return b
     return b.clone(memory_format=torch.contiguous_format)
+
+
+def _slices(rows: int, cols: int) -> list[slice]:
+    return row_slices(rows, 4 * _blocks(cols) * FP8_BLOCK)  # the padded fp32 values
 
 
 def _blocks(cols: int) -> int:

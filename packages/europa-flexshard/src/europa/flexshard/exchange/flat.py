@@ -26,6 +26,7 @@ import torch
 
 from europa.flexshard.exchange.all_to_all import Flight, Part, exchange_counts, launch, wait
 from europa.flexshard.exchange.dispatcher import ExpertDispatcher, by_local_expert
+from europa.flexshard.exchange.summing import sum_rows
 
 
 def chunk_bounds(experts: int, chunks: int) -> list[tuple[int, int]]:
@@ -167,6 +168,6 @@ class FlatRouted:
         back = torch.cat([wait(flight)[0] for flight in self.backs])
         if self.plan.back_order is not None:
             back = back[self.plan.back_order]
-        weighted = (back.float() * self.scores.reshape(-1, 1)).to(back.dtype)
         token_indices = self.order // self.dispatcher.top_k
-        return torch.zeros_like(self.x_TD).index_add(0, token_indices, weighted)
+        x = self.x_TD
+        return sum_rows(back, token_indices, x.shape[0], weights=self.scores, dtype=x.dtype)

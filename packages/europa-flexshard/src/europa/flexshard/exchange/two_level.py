@@ -41,6 +41,7 @@ from europa.flexshard.exchange.codec import Codec
 from europa.flexshard.exchange.dispatcher import ExpertDispatcher
 from europa.flexshard.exchange.nodes import ExpertNodes
 from europa.flexshard.exchange.routing import NO_EXPERT
+from europa.flexshard.exchange.summing import sum_rows
 
 # How the routing slots travel: scores as they are (their gradients come back the same
 # way); expert ids as they are, with no gradient to send back.
@@ -204,22 +205,19 @@ class TwoLevelRouted:
     def send_back(self, chunk: int, out: torch.Tensor) -> None:
         d, state = self.dispatcher, self.chunk_states[chunk]
         to_experts, from_experts = d.codecs()
-        width = out.shape[1]
-        weighted = out.float() * state.pair_score.float()[:, None]
-        per_row = out.new_zeros(state.expert_rows, width, dtype=torch.float32)
-        per_row = per_row.index_add(0, state.pair_row, weighted)
+        per_row = sum_rows(out, state.pair_row, state.expert_rows, weights=state.pair_score)
         part = Part(self._wire(per_row), from_experts, to_experts)
         splits = (state.recv_splits_in_node, state.send_splits_in_node)
         (returned,) = wait(launch([part], *splits, d.nodes.node_group, d.keeper))
-        per_node = out.new_zeros(state.received_rows, width, dtype=torch.float32)
-        per_node = per_node.index_add(0, state.forwarded, returned.float())
+        per_node = sum_rows(returned, state.forwarded, state.received_rows)
         part = Part(self._wire(per_node), from_experts, to_experts)
         splits = (state.recv_splits, state.send_splits)
         state.back = launch([part], *splits, d.nodes.rail_group, d.keeper)
 
     def finish(self) -> torch.Tensor:
-        out = self.x_TD.new_zeros(self.x_TD.shape, dtype=torch.float32)
-        for state in self.chunk_states:
+        tokens, out = self.x_TD.shape[0], None
+        for state in self.chunk_states:  # a token's rows all come back in its own chunk
             (returned,) = wait(state.back)
-            out = out.index_add(0, state.tokens, returned.float())
+            summed = sum_rows(returned, state.tokens, tokens)
+            out = summed if out is None else out + summed
         return out.to(self.x_TD.dtype)
