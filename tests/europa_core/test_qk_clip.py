@@ -186,6 +186,32 @@ def test_the_max_beside_sdpa_is_the_block_kernels(monkeypatch):
     torch.testing.assert_close(into.read().double(), scores.amax(dim=(0, 2, 3)))
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    rows=st.integers(1, 12),
+    earlier=st.integers(0, 9),
+    block_rows=st.integers(1, 13),
+    seed=st.integers(0, 99),
+)
+def test_the_max_beside_sdpa_of_a_chunk_of_later_queries_is_over_its_causal_keys(
+    rows, earlier, block_rows, seed
+):
+    """Context parallelism's chunks: ``rows`` queries at positions ``earlier`` and on, over
+    every key up to the last of them, in blocks of ``block_rows`` rows."""
+    keys = earlier + rows
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, rows, 3, 5, generator=generator)
+    k = torch.randn(2, keys, 3, 5, generator=generator)
+    into = LogitMax(3)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(logit_max, "SCORE_BLOCK_ELEMENTS", 2 * 3 * keys * block_rows)
+        causal_score_max(q, k, 0.7, into)
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) * 0.7
+    later = torch.arange(keys) > (earlier + torch.arange(rows)).unsqueeze(1)
+    want = scores.masked_fill(later, float("-inf")).amax(dim=(0, 2, 3))
+    torch.testing.assert_close(into.read().double(), want, rtol=1e-5, atol=1e-5)  # fp32 vs fp64
+
+
 def test_an_sdpa_armed_beside_records_in_training_forwards_only():
     from torchtitan.models.common.attention import ScaledDotProductAttention
 

@@ -20,8 +20,20 @@ from __future__ import annotations
 
 import torch
 
-# The elements of one block of scores computed beside a fused kernel: 16 Mi (32 MiB in bf16).
-SCORE_BLOCK_ELEMENTS = 1 << 24
+from europa.spec.tags import mark_memory
+
+# The elements of one block of scores computed beside a fused kernel: 256 Mi (512 MiB in
+# bf16). A block's few kernel launches cost about what a small block's product does: at
+# 128k tokens with context parallelism over 8 ranks, 16 Mi made blocks of 2 query rows, 4 M
+# blocks a step of the seed; 256 Mi makes blocks of 32 rows.
+SCORE_BLOCK_ELEMENTS = 1 << 28
+
+
+def score_block_elements(batch: int, heads: int, rows: int, keys: int) -> int:
+    """The elements of the largest block ``causal_score_max`` makes for ``rows`` queries
+    over ``keys`` keys (what it holds beside the attention's inputs)."""
+    block_rows = min(rows, max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * keys)))
+    return batch * heads * block_rows * keys
 
 
 class LogitMax:
@@ -41,7 +53,10 @@ class LogitMax:
 
     def observe(self, scores: torch.Tensor, batch: int) -> None:
         """``scores``: head-major (batch · n_heads, rows, keys), masked entries -inf."""
-        per_head = scores.detach().amax(dim=(1, 2)).view(batch, self.n_heads).amax(0)
+        self.record(scores.detach().amax(dim=(1, 2)).view(batch, self.n_heads).amax(0))
+
+    def record(self, per_head: torch.Tensor) -> None:
+        """``per_head``: (n_heads,) maxima of one forward's scores."""
         self.value = per_head if self.value is None else torch.maximum(self.value, per_head)
 
 
@@ -58,20 +73,27 @@ def recorder(inner_attention: torch.nn.Module) -> LogitMax | None:
 @torch.no_grad()
 def causal_score_max(q_BLNH, k_BLNH, scale: float, into: LogitMax) -> None:
     """Record the causal scores' maxima of (B, L, N, H) queries and keys, in blocks of rows.
-    Fewer queries than keys are the last positions (context parallelism's chunks)."""
+    Fewer queries than keys are the last positions (context parallelism's chunks). A block
+    of rows sees every key before its first row's position unmasked; only its last keys, as
+    many as its rows, need the triangle masked (made once)."""
     batch, seq_len, heads, _ = q_BLNH.shape
+    if seq_len == 0:
+        return
     offset = k_BLNH.size(1) - seq_len  # the first query's position
     q, k = q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2)  # (B, N, L, H)
-    rows = max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * k_BLNH.size(1)))
+    rows = score_block_elements(batch, heads, seq_len, k_BLNH.size(1)) // (
+        batch * heads * k_BLNH.size(1)
+    )
+    later = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1)
+    largest = torch.full((batch, heads), float("-inf"), dtype=q.dtype, device=q.device)
     for start in range(0, seq_len, rows):
         end = min(seq_len, start + rows)
-        keys = offset + end
+        keys, n = offset + end, end - start
         scores = torch.matmul(q[:, :, start:end], k[:, :, :keys].mT).mul_(scale)
-        later = torch.arange(keys, device=q.device) > torch.arange(
-            offset + start, keys, device=q.device
-        ).unsqueeze(1)
-        scores.masked_fill_(later, float("-inf"))
-        into.observe(scores.flatten(0, 1), batch)
+        mark_memory(scores, "attention_scores")
+        scores[..., keys - n :].masked_fill_(later[:n, :n], float("-inf"))
+        torch.maximum(largest, scores.amax(dim=(2, 3)), out=largest)
+    into.record(largest.amax(0))
 
 
 def _beside(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
@@ -96,4 +118,11 @@ def arm(inner_attention: torch.nn.Module, n_heads: int) -> LogitMax:
     return inner_attention.logit_max
 
 
-__all__ = ["SCORE_BLOCK_ELEMENTS", "LogitMax", "arm", "causal_score_max", "recorder"]
+__all__ = [
+    "SCORE_BLOCK_ELEMENTS",
+    "LogitMax",
+    "arm",
+    "causal_score_max",
+    "recorder",
+    "score_block_elements",
+]

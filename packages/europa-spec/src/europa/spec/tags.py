@@ -33,6 +33,7 @@ MEMORY_TERMS = (
     "gradient_buffers",
     "sum_buffers",
     "expert_buffers",
+    "attention_scores",
     "optimizer_workspace",
     "model_buffers",
     "checkpoint_staging",

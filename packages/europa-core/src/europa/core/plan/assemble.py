@@ -36,6 +36,7 @@ from europa.core.plan.timing import (
     LAYOUT_OVERLAPPED,
     clip_maxima,
     logit_max_flops,
+    logit_max_scores_bytes,
     model_flops_per_token,
     query_windows,
     rank_compute,
@@ -162,6 +163,7 @@ def assemble(
     device_staging, host_staging = (staging, {}) if hardware.device == "cpu" else ({}, staging)
     units = layout["gathered_unit_elements"]
     kept_gathered = kept_blocks(units, plan.get("reshard_after_forward", "all"))
+    has_layers = any(b.startswith("layers.") for b in names)
     expert_buffers = 0
     if layout["expert_group_size"] > 1:  # dispatched and combined tokens of one layer
         expert_buffers = 2 * tokens * model_cfg.top_k * model_cfg.dim * compute_bytes
@@ -177,8 +179,9 @@ def assemble(
         kept_blocks=kept_gathered,
         micro_batches=training.grad_accum_steps,
         attention_gradients=attention_gradient_bytes(config, hardware.attention_kernel)
-        if any(b.startswith("layers.") for b in names)
+        if has_layers
         else 0,
+        attention_scores=logit_max_scores_bytes(config, hardware) if has_layers else 0,
     )
     moments = memory.moments(rank)
     top = peak(moments)

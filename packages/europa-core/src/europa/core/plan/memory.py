@@ -116,6 +116,7 @@ class MemoryModel:
     kept_blocks: list[str]
     micro_batches: int
     attention_gradients: int = 0  # one layer's, while its block's backward runs
+    attention_scores: int = 0  # QK-clip's block of scores, in a block's forward
 
     def moments(self, rank: int) -> list[Moment]:
         state, offload = self.state, self.offload
@@ -144,6 +145,7 @@ class MemoryModel:
             kept_blocks=self.kept_blocks,
             micro_batches=self.micro_batches,
             attention_gradients=self.attention_gradients,
+            attention_scores=self.attention_scores,
         )
 
 

@@ -9,6 +9,7 @@ takes the largest of five moments, each the sum of what is alive then:
 * **forward**, the last micro-batch's last block: the saved activations, the root unit
   (gathered when the model's forward starts, kept to backward), the block in use and the
   one prefetched, the blocks kept gathered to backward; earlier micro-batches' gradients;
+  the block of scores QK-clip's maxima compute beside a fused attention kernel;
 * **block backward**, at either end of the blocks: the same gathered units, every
   gradient, that block's unsharded gradients, the rows its reduce-scatter sends
   (``gathered_unit_wire_elements``: the widest share from every rank, on the collectives'
@@ -78,6 +79,7 @@ def device_moments(
     kept_blocks: list[str],
     micro_batches: int,
     attention_gradients: int = 0,
+    attention_scores: int = 0,
 ) -> list[Moment]:
     """The moments of the design note, for ``rank`` of ``layout``."""
     units = layout["gathered_unit_elements"]
@@ -113,6 +115,7 @@ def device_moments(
         "activations": activations,
         "gathered_parameters": gathered,
         "expert_buffers": expert_buffers,
+        "attention_scores": attention_scores,
     }
     block_backward = {
         "gradients": rank.gradients,

@@ -39,6 +39,7 @@ from europa.plan.exposure import (
     with_forward_work,
 )
 from europa.plan.stages import RankStage
+from europa.spec.logit_max import score_block_elements
 from europa.spec.plan_layout import LAST_BACKWARD, QUERIES_BACKWARD, QUERIES_FORWARD
 from europa.spec.qk_clip import maxima_bytes
 
@@ -85,6 +86,17 @@ def logit_max_flops(config: EuropaConfig, hardware: HardwareProfile, layers: int
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
     rows = t.seq_len / config.parallel.cp  # a rank's queries, each over half the keys
     return 2.0 * t.batch_size * m.n_heads * qk * rows * t.seq_len / 2 * layers
+
+
+def logit_max_scores_bytes(config: EuropaConfig, hardware: HardwareProfile) -> int:
+    """The largest block of scores QK-clip's maxima compute beside a fused kernel
+    (``europa.spec.logit_max``), alive in a block's forward beside what it saves."""
+    if not config.optimizer.qk_clip or hardware.attention_kernel == "block_causal":
+        return 0
+    m, t = config.model, config.training
+    elements = score_block_elements(t.batch_size, m.n_heads, t.seq_len // config.parallel.cp,
+                                    t.seq_len)  # fmt: skip
+    return elements * (2 if t.dtype == "bfloat16" else 4)
 
 
 def clip_maxima(config: EuropaConfig, ranks: int) -> tuple[int, int]:
