@@ -29,11 +29,15 @@ from europa.spec.tags import mark_memory
 SCORE_BLOCK_ELEMENTS = 1 << 28
 
 
+def _block_rows(batch: int, heads: int, rows: int, keys: int) -> int:
+    """Query rows a block of ``causal_score_max`` takes of ``rows`` over ``keys`` keys."""
+    return min(rows, max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * keys)))
+
+
 def score_block_elements(batch: int, heads: int, rows: int, keys: int) -> int:
     """The elements of the largest block ``causal_score_max`` makes for ``rows`` queries
     over ``keys`` keys (what it holds beside the attention's inputs)."""
-    block_rows = min(rows, max(1, SCORE_BLOCK_ELEMENTS // (batch * heads * keys)))
-    return batch * heads * block_rows * keys
+    return batch * heads * _block_rows(batch, heads, rows, keys) * keys
 
 
 class LogitMax:
@@ -81,9 +85,7 @@ def causal_score_max(q_BLNH, k_BLNH, scale: float, into: LogitMax) -> None:
         return
     offset = k_BLNH.size(1) - seq_len  # the first query's position
     q, k = q_BLNH.transpose(1, 2), k_BLNH.transpose(1, 2)  # (B, N, L, H)
-    rows = score_block_elements(batch, heads, seq_len, k_BLNH.size(1)) // (
-        batch * heads * k_BLNH.size(1)
-    )
+    rows = _block_rows(batch, heads, seq_len, k_BLNH.size(1))
     later = torch.ones(rows, rows, dtype=torch.bool, device=q.device).triu(1)
     largest = torch.full((batch, heads), float("-inf"), dtype=q.dtype, device=q.device)
     for start in range(0, seq_len, rows):

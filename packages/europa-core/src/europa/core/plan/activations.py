@@ -176,7 +176,9 @@ def block_activations(
     if key not in _ASKED:
         if len(_ASKED) >= 64:
             _ASKED.clear()
-        blocks = _every_block(*key[1:], m=m)
+        blocks = _every_block(
+            m, seq_len, batch, dtype_bytes, kernel, cp, exchange, expert_output_bytes
+        )
         _ASKED[key] = tuple(blocks)
     return list(_ASKED[key])
 
@@ -185,6 +187,7 @@ _ASKED: dict[tuple, tuple[BlockActivations, ...]] = {}
 
 
 def _every_block(
+    m: ModelConfig,
     seq_len: int,
     batch: int,
     dtype_bytes: int,
@@ -192,8 +195,6 @@ def _every_block(
     cp: int,
     exchange: str,
     expert_output_bytes: int,
-    *,
-    m: ModelConfig,
 ) -> list[BlockActivations]:
     blocks = []
     for layer in range(m.n_layers):

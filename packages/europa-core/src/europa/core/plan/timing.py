@@ -80,7 +80,7 @@ def logit_max_flops(config: EuropaConfig, hardware: HardwareProfile, layers: int
     """QK-clip's maxima, one micro-batch of ``layers`` layers: with a fused attention kernel
     (a GPU), the causal scores computed again beside it, forward only (a recomputation does
     not record); with block-causal attention (a CPU), nothing (the kernel's own scores)."""
-    if not config.optimizer.qk_clip or hardware.attention_kernel == "block_causal":
+    if not _maxima_beside_kernel(config, hardware):
         return 0.0
     m, t = config.model, config.training
     qk = m.qk_nope_head_dim + m.qk_rope_head_dim
@@ -88,10 +88,16 @@ def logit_max_flops(config: EuropaConfig, hardware: HardwareProfile, layers: int
     return 2.0 * t.batch_size * m.n_heads * qk * rows * t.seq_len / 2 * layers
 
 
+def _maxima_beside_kernel(config: EuropaConfig, hardware: HardwareProfile) -> bool:
+    """Whether QK-clip's maxima compute the scores again beside the attention kernel (a
+    fused one returns none; block-causal attention records from its own)."""
+    return config.optimizer.qk_clip and hardware.attention_kernel != "block_causal"
+
+
 def logit_max_scores_bytes(config: EuropaConfig, hardware: HardwareProfile) -> int:
     """The largest block of scores QK-clip's maxima compute beside a fused kernel
     (``europa.spec.logit_max``), alive in a block's forward beside what it saves."""
-    if not config.optimizer.qk_clip or hardware.attention_kernel == "block_causal":
+    if not _maxima_beside_kernel(config, hardware):
         return 0
     m, t = config.model, config.training
     elements = score_block_elements(t.batch_size, m.n_heads, t.seq_len // config.parallel.cp,

@@ -32,8 +32,8 @@ def sum_rows(
     return _SumRows.apply(rows, weights, index, size, dtype)
 
 
-def _slices(rows: torch.Tensor) -> list[slice]:
-    return row_slices(rows.shape[0], 4 * rows.shape[1])
+def _slices(shape: torch.Size) -> list[slice]:
+    return row_slices(shape[0], 4 * shape[1])  # each row's fp32 values
 
 
 class _SumRows(torch.autograd.Function):
@@ -44,7 +44,7 @@ class _SumRows(torch.autograd.Function):
         # one accumulates within a call in more than its dtype (on CPUs), so its products
         # are made a slice at a time and added at once.
         products = None if dtype == torch.float32 else torch.empty_like(rows, dtype=dtype)
-        for part in _slices(rows):
+        for part in _slices(rows.shape):
             piece = rows[part].float()
             if weights is not None:
                 piece = piece * weights[part, None].float()
@@ -65,7 +65,7 @@ class _SumRows(torch.autograd.Function):
         wants_rows, wants_weights = ctx.needs_input_grad[:2]
         grad_rows = grad.new_empty(shape, dtype=dtype) if wants_rows else None
         grad_weights = torch.empty_like(weights) if wants_weights else None
-        for part in row_slices(shape[0], 4 * shape[1]):
+        for part in _slices(shape):
             g = grad.index_select(0, index[part]).float()
             if grad_rows is not None:
                 grad_rows[part] = g if weights is None else g * weights[part, None].float()
